@@ -1,0 +1,97 @@
+"""One encoder CD step (Hauser Algorithm 1): poecaps against a plain reference.
+
+Batch 128, 576 8-D capsules to 20 16-D, 3 iterations of cosine routing. The
+reference does what the original capsule code does: tiled votes
+`[B, I, J, D_out, D_in]` and per-example outer products for the update.
+Last line: RESULT images_per_s=<n> vs_reference=<ratio> matmul_fraction=<f>,
+where matmul_fraction = achieved FLOP/s (the algorithm's contractions) /
+dense-matmul FLOP/s measured in the same run.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras
+import tensorflow as tf
+from common import best_seconds, dense_matmul_flops_per_s
+
+from poecaps.capsules import squash
+from poecaps.experts import CapsuleExperts
+from poecaps.routing import DynamicRouting
+
+
+def reference_cd_step(x, w, iterations):
+    """Algorithm 1 the straightforward way: tile, matmul per pair, outer products per example."""
+    b, i, j = x.shape[0], w.shape[0], w.shape[1]
+    w_tiled = tf.tile(w[None], [b, 1, 1, 1, 1])                        # [B, I, J, Do, Di]
+    x_tiled = tf.tile(x[:, :, None, :, None], [1, 1, j, 1, 1])         # [B, I, J, Di, 1]
+    votes = tf.squeeze(tf.matmul(w_tiled, x_tiled), -1)                # [B, I, J, Do]
+    logits = tf.zeros((b, i, j))
+    unit_votes = votes / tf.norm(votes + 1e-12, axis=-1, keepdims=True)
+    for _ in range(iterations):
+        c = tf.nn.softmax(logits, axis=2)
+        v = squash(tf.reduce_sum(c[..., None] * votes, axis=1))
+        v_unit = v / tf.norm(v + 1e-12, axis=-1, keepdims=True)
+        logits += tf.reduce_sum(unit_votes * v_unit[:, None], axis=-1)
+    c = tf.nn.softmax(logits, axis=2)
+    z = tf.reduce_sum(c[..., None] * votes, axis=1)                    # [B, J, Do]
+    upper = tf.tile(squash(z)[:, None, :, :, None], [1, i, 1, 1, 1])  # [B, I, J, Do, 1]
+    x_neg = squash(tf.reduce_sum(c[..., None] * tf.squeeze(
+        tf.matmul(w_tiled, upper, transpose_a=True), -1), axis=2))    # [B, I, Di]
+    votes_neg = tf.squeeze(tf.matmul(w_tiled, tf.tile(x_neg[:, :, None, :, None], [1, 1, j, 1, 1])), -1)
+    z_neg = tf.reduce_sum(c[..., None] * votes_neg, axis=1)
+
+    def stat(z, x):
+        f = z / (1 + tf.reduce_sum(z * z, -1, keepdims=True))
+        return 2 * c[..., None, None] * f[:, None, :, :, None] * x[:, :, None, None, :]
+
+    return tf.reduce_mean(stat(z, x) - stat(z_neg, x_neg), axis=0)
+
+
+def algorithm_flops(batch, num_in, num_out, d_in, d_out, iterations):
+    """FLOPs of the contractions Algorithm 1 needs with cosine routing (see energy.py)."""
+    unit = 2 * batch * num_in * num_out * d_in * d_out
+    # routing: (R + 1) weighted sums, R agreements, vote norms (Gram: d_in/d_out of a unit);
+    # CD: reconstruction, negative pre-activation, and the two-phase update (2 units).
+    return unit * ((iterations + 1) + iterations + d_in / d_out + 1 + 1 + 2)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--skip-reference", action="store_true")
+    args = p.parse_args()
+    keras.utils.set_random_seed(args.seed)
+    b, i, j, d_in, d_out = args.batch, 576, 20, 8, 16
+    x = squash(tf.random.normal((b, i, d_in)))
+    experts = CapsuleExperts(j, d_out, routing=DynamicRouting(args.iterations, "cosine"))
+    experts.build((None, i, d_in))
+    matmul = dense_matmul_flops_per_s()
+    flops = algorithm_flops(b, i, j, d_in, d_out, args.iterations)
+    results = {}
+    for jit in (False, True):
+        step = tf.function(lambda x: experts.cd_gradients(x)[0][0], jit_compile=jit)
+        seconds = best_seconds(lambda step=step: step(x).numpy(), repeats=args.repeats)
+        results[jit] = seconds
+        print(f"poecaps   jit_compile={jit!s:5}: {seconds * 1e3:7.1f} ms/step  "
+              f"{b / seconds:7.0f} images/s  {flops / seconds / 1e9:5.1f} GFLOP/s", flush=True)
+    seconds = min(results.values())
+    if args.skip_reference:
+        reference = float("nan")
+    else:
+        ref = tf.function(lambda x: reference_cd_step(x, experts.kernel, args.iterations))
+        reference = best_seconds(lambda: ref(x).numpy(), warmup=1, repeats=2)
+        print(f"reference (tiled, no XLA): {reference * 1e3:7.1f} ms/step  {b / reference:7.0f} images/s")
+    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step")
+    print(f"RESULT images_per_s={b / seconds:.0f} vs_reference={reference / seconds:.2f} "
+          f"matmul_fraction={flops / seconds / matmul:.3f}")
+
+
+if __name__ == "__main__":
+    main()

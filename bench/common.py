@@ -1,0 +1,27 @@
+"""Timing helpers shared by the benchmarks (not tests: they print figures)."""
+
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf
+
+
+def best_seconds(fn, warmup=2, repeats=5):
+    """Best wall time of `fn()` over `repeats` runs after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def dense_matmul_flops_per_s(n=2048):
+    """FLOP/s of one large float32 matmul on this machine, measured now."""
+    a, b = tf.random.normal((n, n)), tf.random.normal((n, n))
+    matmul = tf.function(lambda: tf.matmul(a, b))
+    return 2 * n**3 / best_seconds(lambda: matmul().numpy())

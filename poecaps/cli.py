@@ -1,0 +1,43 @@
+"""Command-line flags from frozen config dataclasses (every field becomes a flag)."""
+
+import argparse
+import dataclasses
+import os
+import typing
+
+
+def _parse_bool(text):
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_config_flags(parser, config_cls):
+    """Add `--field-name` for every field of `config_cls`, with its default and type."""
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        kind = hints[field.name]
+        if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
+                            type=_parse_bool if kind is bool else kind, default=field.default,
+                            help=f"(default: {field.default})")
+
+
+def config_from_args(config_cls, args):
+    return config_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)})
+
+
+def parser(description, config_cls=None, run_dir_required=False):
+    """A parser with the common flags and, if given, one flag per config field."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--run-dir", required=run_dir_required,
+                   default=None if run_dir_required else os.path.join("runs", "default"),
+                   help="run directory (config, checkpoints, models, figures)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    if config_cls is not None:
+        add_config_flags(p, config_cls)
+    return p

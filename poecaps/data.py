@@ -1,0 +1,152 @@
+"""Datasets as tf.data pipelines: IDX directories, system packages, TFDS.
+
+`load(name, split)` returns a `tf.data.Dataset` of `(image float32 [H, W, C]
+in [0, 1], label int64)`. Sources are tried in order unless `source` names
+one: (1) an IDX directory given as `data_dir` or by `POECAPS_DATA`; (2)
+well-known system locations (Debian's `dataset-fashion-mnist`); (3)
+TensorFlow Datasets, using prepared data and downloading only when the
+network answers (offline, `tfds.load` would retry for minutes).
+"""
+
+import gzip
+import os
+import socket
+import struct
+
+import numpy as np
+
+DATASETS = ("mnist", "fashion_mnist")
+SPLITS = ("train", "test")
+SOURCES = ("idx", "system", "tfds")
+SYSTEM_DIRS = {
+    "fashion_mnist": ["/usr/share/datasets/fashion-mnist"],
+    "mnist": ["/usr/share/datasets/mnist"],
+}
+_IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+_HOW_TO_GET = {
+    "fashion_mnist": "`apt-get install -y dataset-fashion-mnist`, or go online for TFDS",
+    "mnist": "pass --data-dir to a folder of the IDX files (e.g. ../shared/data/mnist-5k), "
+             "or go online for TFDS",
+}
+
+
+class DataError(ValueError):
+    """A dataset could not be found or read."""
+
+
+def _open(path):
+    for candidate in (path + ".gz", path):
+        if os.path.exists(candidate):
+            return gzip.open(candidate, "rb") if candidate.endswith(".gz") else open(candidate, "rb")
+    return None
+
+
+def read_idx(path):
+    """Read one IDX file (optionally gzipped) into a NumPy array, checking its header."""
+    handle = _open(path)
+    if handle is None:
+        raise FileNotFoundError(path)
+    try:
+        with handle:
+            raw = handle.read()
+    except (OSError, EOFError) as error:
+        raise DataError(f"{path}: not a readable (gzipped) IDX file: {error}") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise DataError(f"{path}: not an unsigned-byte IDX file (bad magic number)")
+    ndim = raw[3]
+    if len(raw) < 4 + 4 * ndim:
+        raise DataError(f"{path}: truncated IDX header")
+    shape = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
+    expected = int(np.prod(shape)) + 4 + 4 * ndim
+    if len(raw) != expected:
+        raise DataError(f"{path}: IDX file holds {len(raw)} bytes, its header promises {expected} "
+                        "(truncated or corrupted)")
+    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def _from_idx_dir(directory, split):
+    images_name, labels_name = _IDX_FILES[split]
+    images = read_idx(os.path.join(directory, images_name))
+    labels = read_idx(os.path.join(directory, labels_name))
+    if len(images) != len(labels):
+        raise DataError(f"{directory}: {len(images)} images but {len(labels)} labels")
+    if images.ndim == 3:
+        images = images[..., None]
+    return images, labels
+
+
+def _network_answers(host="storage.googleapis.com", port=443, timeout=2.0):
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _from_tfds(name, split, data_dir):
+    import tensorflow_datasets as tfds
+
+    builder = tfds.builder(name, data_dir=data_dir)
+    if not builder.is_prepared():
+        if not _network_answers():
+            raise DataError("TFDS has no prepared copy and the network does not answer")
+        builder.download_and_prepare()
+    ds = builder.as_dataset(split=split, as_supervised=True)
+    images, labels = zip(*ds.as_numpy_iterator())
+    return np.stack(images), np.asarray(labels)
+
+
+def load_arrays(name, split, data_dir=None, source=None):
+    """Like `load`, as NumPy arrays `(uint8 [N, H, W, C], int64 [N])`, plus the source used."""
+    if name not in DATASETS:
+        raise DataError(f"Unknown dataset; expected one of {DATASETS}. Received: name={name!r}")
+    if split not in SPLITS:
+        raise DataError(f"Unknown split; expected one of {SPLITS}. Received: split={split!r}")
+    if source is not None and source not in SOURCES:
+        raise DataError(f"Unknown source; expected one of {SOURCES}. Received: source={source!r}")
+    data_dir = data_dir or os.environ.get("POECAPS_DATA")
+    attempts = []
+    candidates = []
+    if source in (None, "idx") and data_dir:
+        candidates.append(("idx", data_dir))
+    if source in (None, "system"):
+        candidates += [("system", d) for d in SYSTEM_DIRS[name]]
+    for kind, directory in candidates:
+        try:
+            images, labels = _from_idx_dir(directory, split)
+            return images, labels.astype(np.int64), f"{kind}:{directory}"
+        except FileNotFoundError as error:
+            attempts.append(f"{kind} {directory}: missing {error}")
+        except DataError as error:
+            if source is not None:
+                raise
+            attempts.append(f"{kind} {directory}: {error}")
+    if source in (None, "tfds"):
+        try:
+            images, labels = _from_tfds(name, split, data_dir if source == "tfds" else None)
+            return images, labels.astype(np.int64), "tfds"
+        except Exception as error:  # noqa: BLE001  (TFDS raises many types; all mean "not here")
+            attempts.append(f"tfds {name}: {type(error).__name__}: {error}")
+    if source == "idx" and not data_dir:
+        attempts.append("idx: no data_dir given and POECAPS_DATA is unset")
+    raise DataError(
+        f"Could not load {name!r} split {split!r}. Tried:\n  - " + "\n  - ".join(attempts)
+        + f"\nTo get it: {_HOW_TO_GET[name]}.")
+
+
+def load(name, split, data_dir=None, source=None):
+    """Load a dataset as `tf.data.Dataset` of `(float32 [H, W, C] in [0, 1], int64 label)`."""
+    import tensorflow as tf
+
+    images, labels, _ = load_arrays(name, split, data_dir, source)
+    ds = tf.data.Dataset.from_tensor_slices((images, labels))
+    return ds.map(lambda x, y: (tf.cast(x, tf.float32) / 255.0, y),
+                  num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def to_float(images):
+    """uint8 images to float32 in [0, 1]."""
+    return images.astype(np.float32) / 255.0

@@ -1,0 +1,190 @@
+"""Energy of a product of expert capsules (Hauser 2019, section 3).
+
+One capsule layer: lower capsules `x [B, I, D_in]`, transformation matrices
+`W [I, J, D_out, D_in]`, routing coefficients `c [B, I, J]` and
+
+    z_j = sum_i c_ij W_ij x_i                              (eq. 3)
+    E(x, h) = - sum_j h_j log |z_j|^2                      (eq. 7)
+    F(x)    = - sum_j log(1 + |z_j|^2)                     (eq. 10)
+    P(h_j = 1 | x) = |z_j|^2 / (1 + |z_j|^2) = |squash(z_j)|  (eq. 12-13)
+
+Mixing by dynamic routing (Algorithm 1), with the data's `c` held fixed:
+
+    x~_i = squash(sum_j c_ij W_ij^T squash(z_j)),   z~_j = sum_i c_ij W_ij x~_i
+
+and the CD update (eq. 18), which is `-grad_W [F(x) - F(x~)]` with `c` and
+`x~` held fixed:
+
+    dW_ij = 2 c_ij ( z_j x_i^T / (1 + |z_j|^2) - z~_j x~_i^T / (1 + |z~_j|^2) )
+
+The capsule decoder (section 4.1) is the mirror image: its visible units are
+the upper capsules `x_j`, its hidden units the lower capsules `i`, its
+matrices `U [J, I, D_in, D_out]` and coefficients `e [B, J, I]`; every
+function below applies unchanged with the roles swapped (the `decoder_*`
+names say so).
+
+Layout: no function forms the `[B, I, J, D_out]` votes. Internally the
+upper-capsule axis leads (`cj [J, B, I]`, `zj [J, B, D_out]`) so that every
+contraction is one batched matmul over J with no transpose of a large
+tensor; `kernel_views` gives W as `[J, I*D_in, D_out]` and `[J, D_out, I*D_in]`.
+"""
+
+from keras import ops
+
+from poecaps.capsules import EPSILON, squash
+
+# ---- internal, upper-capsule-major helpers ---------------------------------
+
+def kernel_views(kernel):
+    """W `[I, J, D_out, D_in]` as `(Wr [J, I*D_in, D_out], Wt [J, D_out, I*D_in])`."""
+    num_in, num_out, d_out, d_in = kernel.shape
+    wr = ops.reshape(ops.transpose(kernel, (1, 0, 3, 2)), (num_out, num_in * d_in, d_out))
+    wt = ops.reshape(ops.transpose(kernel, (1, 2, 0, 3)), (num_out, d_out, num_in * d_in))
+    return wr, wt
+
+
+def to_j_major(c):
+    """`[B, I, J] -> [J, B, I]`."""
+    return ops.transpose(c, (2, 0, 1))
+
+
+def from_j_major(cj):
+    """`[J, B, I] -> [B, I, J]`."""
+    return ops.transpose(cj, (1, 2, 0))
+
+
+def _weighted_inputs(x, cj):
+    """`c_ij x_i` as `[J, B, I*D_in]`."""
+    j, b, i = ops.shape(cj)[0], ops.shape(cj)[1], ops.shape(cj)[2]
+    # [J, B, I] x [B, I, D_in] -> [J, B, I, D_in]
+    return ops.reshape(cj[:, :, :, None] * x[None], (j, b, i * x.shape[-1]))
+
+
+def routed_sum_j(x, wr, cj):
+    """`z_j = sum_i c_ij W_ij x_i` as `[J, B, D_out]`."""
+    # [J, B, I*D_in] x [J, I*D_in, D_out] -> [J, B, D_out]
+    return ops.matmul(_weighted_inputs(x, cj), wr)
+
+
+def transpose_votes_j(vj, wt, d_in):
+    """`W_ij^T v_j` for every pair, `[J, B, I, D_in]`."""
+    # [J, B, D_out] x [J, D_out, I*D_in] -> [J, B, I*D_in]
+    q = ops.matmul(vj, wt)
+    return ops.reshape(q, (ops.shape(q)[0], ops.shape(q)[1], -1, d_in))
+
+
+def reconstruct_j(vj, wt, cj, d_in):
+    """`sum_j c_ij W_ij^T v_j`, `[B, I, D_in]`."""
+    # [J, B, I] x [J, B, I, D_in] -> [B, I, D_in]
+    return ops.sum(cj[:, :, :, None] * transpose_votes_j(vj, wt, d_in), axis=0)
+
+
+def mix_j(x, wr, wt, cj, steps=1, zj=None):
+    """Algorithm 1's mixing, `steps` times; returns `(x~ [B, I, D_in], z~ [J, B, D_out])`."""
+    for _ in range(steps):
+        zj = routed_sum_j(x, wr, cj) if zj is None else zj
+        x = squash(reconstruct_j(squash(zj), wt, cj, x.shape[-1]))
+        zj = None
+    return x, routed_sum_j(x, wr, cj)
+
+
+def cd_gradient_j(x, zj, cj, x_neg, zj_neg, cj_neg):
+    """Eq. 18 from both phases, averaged over the batch, as W's shape `[I, J, D_out, D_in]`."""
+    scale = lambda z: z / (1.0 + ops.sum(ops.square(z), axis=-1, keepdims=True))
+    # Positive and negative phases share one matmul: stack them on the batch axis.
+    signed = ops.concatenate([scale(zj), -scale(zj_neg)], axis=1)
+    weighted = ops.concatenate([_weighted_inputs(x, cj), _weighted_inputs(x_neg, cj_neg)], axis=1)
+    # [J, 2B, D_out] x [J, 2B, I*D_in] -> [J, D_out, I*D_in]
+    grad = ops.matmul(ops.transpose(signed, (0, 2, 1)), weighted)
+    num_out, d_out = grad.shape[0], grad.shape[1]
+    grad = ops.reshape(grad, (num_out, d_out, -1, x.shape[-1]))
+    return 2.0 * ops.transpose(grad, (2, 0, 1, 3)) / ops.cast(ops.shape(x)[0], x.dtype)
+
+
+# ---- public functions, in the layout of the design -------------------------
+
+def routed_sum(x, kernel, c):
+    """`z_j = sum_i c_ij W_ij x_i` (eq. 3): `[B, I, D_in] -> [B, J, D_out]`."""
+    wr, _ = kernel_views(kernel)
+    return ops.transpose(routed_sum_j(x, wr, to_j_major(c)), (1, 0, 2))
+
+
+def transpose_votes(v, kernel):
+    """`W_ij^T v_j` for every pair: `[B, J, D_out] -> [B, I, J, D_in]`."""
+    # [B, J, D_out] x [I, J, D_out, D_in] -> [B, I, J, D_in]
+    return ops.einsum("bjo,ijoe->bije", v, kernel)
+
+
+def reconstruct(v, kernel, c):
+    """Top-down pre-activation `z~_i = sum_j c_ij W_ij^T v_j`: `[B, J, D_out] -> [B, I, D_in]`."""
+    _, wt = kernel_views(kernel)
+    return reconstruct_j(ops.transpose(v, (1, 0, 2)), wt, to_j_major(c), kernel.shape[-1])
+
+
+def vote_norms_j(x, kernel, epsilon=EPSILON):
+    """`|W_ij x_i|` for every pair as `[J, B, I]`, through the Gram matrices `W_ij^T W_ij`."""
+    # [I, J, D_out, D_in] x [I, J, D_out, D_in] -> [J, I, D_in, D_in]
+    gram = ops.einsum("ijoe,ijof->jief", kernel, kernel)
+    # [B, I, D_in] x [J, I, D_in, D_in] -> [J, B, I, D_in]
+    gx = ops.einsum("bie,jief->jbif", x, gram)
+    return ops.sqrt(ops.sum(gx * x[None], axis=-1) + epsilon)
+
+
+def _squared_length(z):
+    return ops.sum(ops.square(z), axis=-1)
+
+
+def energy(x, h, kernel, c):
+    """`E(x, h) = - sum_j h_j log |z_j|^2` (eq. 7); `h [B, J]` in {0, 1}; returns `[B]`."""
+    sq = _squared_length(routed_sum(x, kernel, c))
+    return -ops.sum(h * ops.log(sq + EPSILON), axis=-1)
+
+
+def free_energy(x, kernel, c):
+    """`F(x) = - sum_j log(1 + |z_j|^2)` (eq. 10); returns `[B]`."""
+    return -ops.sum(ops.log1p(_squared_length(routed_sum(x, kernel, c))), axis=-1)
+
+
+def p_on(x, kernel, c):
+    """`P(h_j = 1 | x) = |z_j|^2 / (1 + |z_j|^2)` (eq. 12); returns `[B, J]`."""
+    sq = _squared_length(routed_sum(x, kernel, c))
+    return sq / (1.0 + sq)
+
+
+def mix(x, kernel, c, steps=1):
+    """Mixing by dynamic routing (Algorithm 1), `steps` times with fixed `c`.
+
+    Returns `(x~ [B, I, D_in], z~ [B, J, D_out])`.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1. Received: steps={steps!r}")
+    wr, wt = kernel_views(kernel)
+    x_neg, zj = mix_j(x, wr, wt, to_j_major(c), steps)
+    return x_neg, ops.transpose(zj, (1, 0, 2))
+
+
+def encoder_cd_gradient(x, kernel, c, x_neg=None, c_neg=None, steps=1):
+    """Closed-form CD update dW (eq. 18) averaged over the batch, `[I, J, D_out, D_in]`.
+
+    `x_neg` defaults to the CD-`steps` reconstruction of `x` with the data's
+    `c`; `c_neg` (for persistent chains) defaults to `c`. The result is the
+    ascent direction on log-likelihood, `-grad_W [F(x) - F(x~)]`.
+    """
+    wr, wt = kernel_views(kernel)
+    cj = to_j_major(c)
+    cj_neg = cj if c_neg is None else to_j_major(c_neg)
+    zj = routed_sum_j(x, wr, cj)
+    if x_neg is None:
+        x_neg, zj_neg = mix_j(x, wr, wt, cj_neg, steps, zj=zj if c_neg is None else None)
+    else:
+        zj_neg = routed_sum_j(x_neg, wr, cj_neg)
+    return cd_gradient_j(x, zj, cj, x_neg, zj_neg, cj_neg)
+
+
+# The capsule decoder (section 4.1) is the same model with the roles swapped:
+# visible = upper capsules x_j [B, J, D_out], U [J, I, D_in, D_out], e [B, J, I].
+decoder_energy = energy
+decoder_free_energy = free_energy
+decoder_p_on = p_on
+decoder_mix = mix
+decoder_cd_gradient = encoder_cd_gradient

@@ -1,0 +1,105 @@
+"""Evaluate a layer-wise run: reconstruction, linear probes, sample specialisation.
+
+The same figures are computed for the capsule path and for the Bernoulli
+RBM trained on the same data and budget.
+"""
+
+import dataclasses
+import os
+
+import keras
+import numpy as np
+
+from poecaps import figures, metrics
+from poecaps.runs import CapsulePipeline, RunDir, batched, load_layer
+from samplers import CapsuleSampler, RBMSampler
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluationConfig:
+    """Settings of `scripts/evaluate.py`."""
+
+    seed: int = 0
+    rows: int = 20                 # samples per capsule for specialisation
+    classifier_epochs: int = 3
+    restricted: bool = True        # also report the restricted domain
+
+
+def _classifier(run, train, train_labels, test, test_labels, config):
+    path = os.path.join(run.models, "reference_classifier.keras")
+    if os.path.exists(path):
+        model = keras.saving.load_model(path)
+    else:
+        model = metrics.reference_classifier(train.shape[1:], int(train_labels.max()) + 1, config.seed)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        model.fit(train, train_labels, epochs=config.classifier_epochs, batch_size=128, verbose=2)
+        model.save(path)
+    accuracy = float(model.evaluate(test, test_labels, verbose=0)[1])
+    return model, accuracy
+
+
+def _specialisation(classifier, images, classes):
+    rows, cols = images.shape[:2]
+    predicted = np.argmax(classifier.predict(images.reshape(rows * cols, *images.shape[2:]),
+                                             verbose=0), axis=-1).reshape(rows, cols)
+    return metrics.specialisation(predicted, classes)
+
+
+def evaluate_run(run_dir, config=EvaluationConfig()):
+    """Compute and write `run_dir/eval.json`; returns the dict."""
+    from trainers.layerwise import LayerwiseConfig, load_images
+
+    run = RunDir(run_dir)
+    train_config = LayerwiseConfig(**run.read_json("config.json"))
+    train, train_labels, _ = load_images(train_config, "train")
+    test, test_labels, _ = load_images(train_config, "test")
+    classes = int(max(train_labels.max(), test_labels.max())) + 1
+    classifier, classifier_accuracy = _classifier(run, train, train_labels, test, test_labels, config)
+    result = {"dataset": train_config.dataset, "train_images": len(train), "test_images": len(test),
+              "reference_classifier_test_accuracy": classifier_accuracy}
+
+    pipeline = CapsulePipeline.load(run.models, train_config.capsule_dim)
+    if pipeline.encoder is None or pipeline.decoder is None:
+        raise FileNotFoundError(f"{run_dir} has no trained encoder and decoder; train them first.")
+    test_lower = batched(pipeline.lower_capsules, test)
+    test_upper = batched(pipeline.upper_capsules, test_lower)
+    train_upper = batched(lambda x: pipeline.upper_capsules(pipeline.lower_capsules(x)), train)
+    reconstruction = batched(pipeline.decode_upper, test_upper)
+    capsules = {
+        "reconstruction_mse": metrics.mse(test, reconstruction),
+        "autoencoder_only_mse": metrics.mse(test, batched(pipeline.autoencoder, test)),
+        "probe_accuracy_vectors": metrics.linear_probe(
+            train_upper, train_labels, test_upper, test_labels),
+        "probe_accuracy_lengths": metrics.linear_probe(
+            np.linalg.norm(train_upper, axis=-1), train_labels,
+            np.linalg.norm(test_upper, axis=-1), test_labels),
+        "mean_p_on_test": float(np.mean(np.linalg.norm(test_upper, axis=-1))),
+    }
+    sampler = CapsuleSampler(pipeline, seed=config.seed)
+    for domain in (["full", "restricted"] if config.restricted else ["full"]):
+        images = sampler.sample(config.rows, restricted=domain == "restricted")["images"]
+        capsules[f"samples_{domain}"] = _specialisation(classifier, images, classes)
+    result["poecaps"] = capsules
+    shown = np.linspace(0, len(test) - 1, 12).astype(int)  # spread over classes
+    figures.image_grid(np.stack([test[shown], reconstruction[shown]]), run.file("reconstructions.png"),
+                       title="test images (top) and their reconstructions through the capsule path",
+                       row_labels=["data", "capsules"])
+
+    rbm_path = os.path.join(run.models, "rbm.npz")
+    if os.path.exists(rbm_path):
+        rbm = load_layer(rbm_path)
+        flat = lambda x: x.reshape(len(x), -1)
+        hidden_train, hidden_test = batched(rbm.p_on, flat(train)), batched(rbm.p_on, flat(test))
+        rbm_images = RBMSampler(rbm, train.shape[1:], seed=config.seed).sample(config.rows)["images"]
+        figures.image_grid(rbm_images[:4], run.file("rbm_samples.png"),
+                           title="Bernoulli RBM: one column per hidden unit")
+        result["rbm"] = {
+            "hidden_units": rbm.num_hidden,
+            "reconstruction_mse": metrics.mse(
+                test, batched(lambda x: rbm.reconstruct(flat(x)), test).reshape(test.shape)),
+            "probe_accuracy_hidden": metrics.linear_probe(
+                hidden_train, train_labels, hidden_test, test_labels),
+            "samples_full": _specialisation(classifier, rbm_images, classes),
+        }
+    run.write_json("eval.json", result)
+    return result

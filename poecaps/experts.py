@@ -1,0 +1,117 @@
+"""Energy models with one contract, and the product of expert capsules.
+
+Every energy model offers `free_energy(x) -> [B]`, `p_on(x) -> [B, J]`,
+`reconstruct(x)` and `cd_gradients(x, steps, chain)`; the CD trainer
+(`trainers/cd.py`) trains any of them. Subclasses implement the private
+`_cd_gradients`; the public method validates its arguments.
+"""
+
+import keras
+from keras import ops
+
+from poecaps import energy
+from poecaps.capsules import unsquash
+from poecaps.layers.capsule_dense import CapsuleDense
+
+
+class EnergyModel:
+    """Mixin: the energy contract shared by capsule experts and the RBM.
+
+    `cd_gradients(x, steps=1, chain=None)` returns `(grads, negatives, stats)`:
+    `grads` is a list aligned with `trainable_weights`, each the ascent
+    direction of contrastive divergence (`-grad [F(x) - F(x~)]` averaged over
+    the batch); `negatives` are the samples `x~` (for persistent chains);
+    `stats` holds `free_energy [B]`, `p_on [B, J]` and `reconstruction [B, ...]`
+    (a one-step reconstruction of the data).
+    """
+
+    def cd_gradients(self, x, steps=1, chain=None, hidden=None):
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"CD needs steps >= 1. Received: steps={steps!r}")
+        if not self.built:
+            self.build(tuple(x.shape))
+        if hidden is None:
+            return self._cd_gradients(x, steps, chain)
+        return self._cd_gradients(x, steps, chain, hidden=hidden)
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class CapsuleExperts(CapsuleDense, EnergyModel):
+    """A product of expert capsules (Hauser 2019, eq. 7-18, Algorithm 1).
+
+    A `CapsuleDense` layer whose `W` defines the energy
+    `E(x, h) = - sum_j h_j log |z_j|^2` with `z_j = sum_i c_ij W_ij x_i` and
+    `c` from routing on the visible capsules (held fixed in the gradient).
+    Free energy (eq. 10) `F(x) = - sum_j log(1 + |z_j|^2)`; `P(h_j=1|x) =
+    |squash(z_j)|` (eq. 12-13). CD-k mixes k times by dynamic routing with
+    the data's `c` (Algorithm 1); with a persistent `chain` the negative
+    phase routes the chain's own state instead.
+
+    Used as the capsule encoder (576 x 8-D -> 20 x 16-D) and, with the
+    roles swapped, as the capsule decoder (20 x 16-D visible, 576 x 8-D
+    hidden; Hauser section 4.1), whose `call` routes upper capsules down.
+
+    Decoder rule. Section 4.1 trains U with "the data z_i and x_j fixed by
+    the W's": the positive phase clamps the hidden (lower) capsules to the
+    data's own pre-activations, `z_i = unsquash(x_i)`, instead of inferring
+    them, so `cd_gradients(x, hidden=lower)` returns
+
+        dU_ji = 2 e_ji ( z_i x_j^T / (1 + |z_i|^2) - z~_i x~_j^T / (1 + |z~_i|^2) )
+
+    with the negative phase mixed as in Algorithm 1. Without `hidden` the
+    rule is the mirror image of eq. 18, `-grad_U [F(x) - F(x~)]`, which
+    models the upper capsules but never ties the decoder's hidden units to
+    the front end's code (so its samples do not decode to images).
+
+    Args: as `CapsuleDense`; the routing defaults to Hauser's cosine
+    agreement with 3 iterations.
+    """
+
+    def __init__(self, num_capsules, capsule_dim, routing=None, **kwargs):
+        if routing is None:
+            routing = {"module": "poecaps.routing.dynamic", "class_name": "DynamicRouting",
+                       "config": {"iterations": 3, "agreement": "cosine"},
+                       "registered_name": "poecaps>DynamicRouting"}
+        super().__init__(num_capsules, capsule_dim, routing=routing, **kwargs)
+
+    def coefficients(self, x):
+        return ops.stop_gradient(self.route(x).coefficients)
+
+    def free_energy(self, x, c=None):
+        return energy.free_energy(x, self.kernel, self.coefficients(x) if c is None else c)
+
+    def p_on(self, x, c=None):
+        return energy.p_on(x, self.kernel, self.coefficients(x) if c is None else c)
+
+    def reconstruct(self, x, steps=1):
+        return energy.mix(x, self.kernel, self.coefficients(x), steps)[0]
+
+    def _route_j(self, x):
+        """Coefficients `[J, B, I]` and pre-activations `[J, B, D_out]` of the data."""
+        if hasattr(self.routing, "route_linear_j"):
+            cj, zj = self.routing.route_linear_j(x, self.kernel)
+            return ops.stop_gradient(cj), zj
+        cj = energy.to_j_major(self.coefficients(x))
+        return cj, energy.routed_sum_j(x, energy.kernel_views(self.kernel)[0], cj)
+
+    def _cd_gradients(self, x, steps, chain, hidden=None):
+        wr, wt = energy.kernel_views(self.kernel)
+        cj, zj = self._route_j(x)
+        if hidden is not None:
+            # Clamped hidden layer (Hauser section 4.1): the positive phase pairs
+            # the visible data with the hidden units' own data pre-activations.
+            zj_data = ops.transpose(unsquash(hidden), (1, 0, 2))
+        reconstruction, zj_rec = energy.mix_j(x, wr, wt, cj, 1, zj=zj)
+        if chain is None and steps == 1:
+            negatives, cj_neg, zj_neg = reconstruction, cj, zj_rec
+        elif chain is None:
+            negatives, zj_neg = energy.mix_j(reconstruction, wr, wt, cj, steps - 1)
+            cj_neg = cj
+        else:
+            cj_neg, zj_chain = self._route_j(chain)
+            negatives, zj_neg = energy.mix_j(chain, wr, wt, cj_neg, steps, zj=zj_chain)
+        grad = energy.cd_gradient_j(x, zj if hidden is None else zj_data, cj, negatives, zj_neg, cj_neg)
+        sq = ops.transpose(ops.sum(ops.square(zj), axis=-1))
+        stats = {"free_energy": -ops.sum(ops.log1p(sq), axis=-1), "p_on": sq / (1.0 + sq),
+                 "reconstruction": reconstruction}
+        return [grad], negatives, stats

@@ -1,0 +1,69 @@
+"""PNG figures for run directories (matplotlib, no screen needed)."""
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+
+def _show(ax, image):
+    image = np.clip(image, 0.0, 1.0)
+    ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray", vmin=0, vmax=1)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def image_grid(images, path, title=None, column_labels=None, row_labels=None):
+    """Save `images [rows, cols, H, W, C]` as one grid PNG."""
+    rows, cols = images.shape[:2]
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 0.8, rows * 0.8 + 0.4), squeeze=False)
+    for r in range(rows):
+        for c in range(cols):
+            _show(axes[r, c], images[r, c])
+            if r == 0 and column_labels is not None:
+                axes[r, c].set_title(str(column_labels[c]), fontsize=6)
+            if c == 0 and row_labels is not None:
+                axes[r, c].set_ylabel(str(row_labels[r]), fontsize=6)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def filters(kernel, path, title="First-layer filters"):
+    """Save the first filter bank `[k, k, C, F]` as a grid (first channel)."""
+    k = kernel[..., 0, :]
+    k = (k - k.min(axis=(0, 1))) / (np.ptp(k, axis=(0, 1)) + 1e-8)
+    count = k.shape[-1]
+    cols = 16
+    rows = int(np.ceil(count / cols))
+    grid = np.ones((rows, cols, k.shape[0], k.shape[1], 1), dtype="float32")
+    for f in range(count):
+        grid[f // cols, f % cols, :, :, 0] = k[..., f]
+    image_grid(grid, path, title=title)
+
+
+def training_curves(metrics_path, path):
+    """Plot every numeric metric of `metrics.jsonl`, one panel per stage."""
+    with open(metrics_path) as handle:
+        records = [json.loads(line) for line in handle]
+    stages = list(dict.fromkeys(r["stage"] for r in records))
+    fig, axes = plt.subplots(1, len(stages), figsize=(4 * len(stages), 3), squeeze=False)
+    for ax, stage in zip(axes[0], stages):
+        rows = [r for r in records if r["stage"] == stage]
+        keys = [k for k in rows[0] if k not in ("stage", "epoch") and isinstance(rows[0][k], float)]
+        for key in keys:
+            values = np.array([r.get(key, np.nan) for r in rows], dtype=float)
+            scale = np.nanmax(np.abs(values)) or 1.0
+            ax.plot([r["epoch"] + 1 for r in rows], values / scale, marker="o",
+                    label=f"{key} (/{scale:.3g})")
+        ax.set_title(stage)
+        ax.set_xlabel("epoch")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

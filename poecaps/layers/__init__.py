@@ -1,0 +1,7 @@
+"""Keras layers: the conv autoencoder front end and capsule layers."""
+
+from poecaps.layers.autoencoder import ConvAutoencoder
+from poecaps.layers.capsule_dense import CapsuleDense
+from poecaps.layers.primary import PrimaryCapsules
+
+__all__ = ["CapsuleDense", "ConvAutoencoder", "PrimaryCapsules"]

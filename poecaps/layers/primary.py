@@ -1,0 +1,48 @@
+"""Primary capsules: a conv code reshaped into squashed capsules."""
+
+import keras
+
+from poecaps.capsules import primary_capsules, squash
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class PrimaryCapsules(keras.layers.Layer):
+    """Reshape a conv code `[B, H, W, C]` into `H*W*C/capsule_dim` squashed capsules.
+
+    Hauser section 4.1: the 6 x 6 x 128 code becomes 576 capsules of 8
+    dimensions, each squashed (eq. 4) so that its length is P(on).
+
+    Args:
+        capsule_dim: capsule dimension; must divide C.
+        squash: whether to squash (False gives the raw reshape).
+
+    Returns:
+        `[B, H*W*C/capsule_dim, capsule_dim]`.
+    """
+
+    def __init__(self, capsule_dim=8, squash=True, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(capsule_dim, int) or capsule_dim <= 0:
+            raise ValueError(
+                f"capsule_dim must be a positive integer. Received: capsule_dim={capsule_dim!r}")
+        self.capsule_dim = capsule_dim
+        self.squash = squash
+
+    def build(self, input_shape):
+        if input_shape[-1] % self.capsule_dim:
+            raise ValueError(
+                f"capsule_dim must divide the channels ({input_shape[-1]}). "
+                f"Received: capsule_dim={self.capsule_dim}")
+
+    def call(self, code):
+        capsules = primary_capsules(code, self.capsule_dim)
+        return squash(capsules) if self.squash else capsules
+
+    def compute_output_shape(self, input_shape):
+        _, h, w, c = input_shape
+        return (input_shape[0], h * w * c // self.capsule_dim, self.capsule_dim)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(capsule_dim=self.capsule_dim, squash=self.squash)
+        return config

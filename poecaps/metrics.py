@@ -1,0 +1,80 @@
+"""Evaluation: reconstruction error, linear probes, sample specialisation."""
+
+import keras
+import numpy as np
+
+
+def mse(images, reconstructions):
+    """Mean squared pixel error."""
+    return float(np.mean(np.square(np.asarray(images) - np.asarray(reconstructions))))
+
+
+def linear_probe(train_features, train_labels, test_features, test_labels, max_iterations=500,
+                 l2=1e-4):
+    """Test accuracy of a multinomial logistic regression on frozen features.
+
+    Features are standardised with the training statistics; the regression
+    (with a small L2 penalty) is fitted to convergence by L-BFGS, so the
+    figure depends on the features, not on an optimiser's budget.
+    """
+    from scipy.optimize import minimize
+    from scipy.special import log_softmax
+
+    train = np.asarray(train_features, "float64").reshape(len(train_features), -1)
+    test = np.asarray(test_features, "float64").reshape(len(test_features), -1)
+    mean, std = train.mean(0), train.std(0) + 1e-6
+    train, test = (train - mean) / std, (test - mean) / std
+    train = np.hstack([train, np.ones((len(train), 1))])
+    test = np.hstack([test, np.ones((len(test), 1))])
+    classes = int(max(train_labels.max(), test_labels.max())) + 1
+    targets = np.eye(classes)[train_labels]
+
+    def loss_and_grad(flat):
+        weights = flat.reshape(train.shape[1], classes)
+        log_p = log_softmax(train @ weights, axis=1)
+        loss = -np.sum(targets * log_p) / len(train) + 0.5 * l2 * np.sum(weights[:-1] ** 2)
+        grad = train.T @ (np.exp(log_p) - targets) / len(train)
+        grad[:-1] += l2 * weights[:-1]
+        return loss, grad.ravel()
+
+    solution = minimize(loss_and_grad, np.zeros(train.shape[1] * classes), jac=True,
+                        method="L-BFGS-B", options={"maxiter": max_iterations})
+    predicted = np.argmax(test @ solution.x.reshape(train.shape[1], classes), axis=1)
+    return float(np.mean(predicted == test_labels))
+
+
+def reference_classifier(input_shape, classes, seed=0):
+    """A small CNN that labels sampled images (trained on real ones)."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(64, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dropout(0.3, seed=seed),
+        keras.layers.Dense(classes, activation="softmax"),
+    ], name="reference_classifier")
+
+
+def specialisation(predicted, classes):
+    """Purity and coverage of sampled columns.
+
+    Args:
+        predicted: `[rows, J]` class labels given to the samples of each capsule.
+        classes: number of classes.
+
+    Returns:
+        dict with per-capsule `purity` (share of its majority class),
+        `majority` class, `mean_purity` and `classes_covered` (distinct
+        majority classes over the J capsules).
+    """
+    predicted = np.asarray(predicted)
+    purity, majority = [], []
+    for j in range(predicted.shape[1]):
+        counts = np.bincount(predicted[:, j], minlength=classes)
+        majority.append(int(np.argmax(counts)))
+        purity.append(float(counts.max() / counts.sum()))
+    return {"purity": purity, "majority": majority, "mean_purity": float(np.mean(purity)),
+            "classes_covered": len(set(majority))}

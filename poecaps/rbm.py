@@ -1,0 +1,97 @@
+"""The Bernoulli restricted Boltzmann machine: the classic model of the tradition."""
+
+import keras
+from keras import ops
+
+from poecaps.experts import EnergyModel
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class BernoulliRBM(keras.layers.Layer, EnergyModel):
+    """Binary RBM with the same energy contract as the capsule experts.
+
+        E(v, h) = - v^T W h - b^T v - a^T h                      (Hauser eq. 1)
+        F(v)    = - b^T v - sum_j softplus(a_j + v^T W_:j)
+        P(h_j = 1 | v) = sigmoid(a_j + v^T W_:j),  P(v_i = 1 | h) = sigmoid(b_i + W_i: h)
+
+    CD-k (Hinton 2002) samples binary hidden states and uses visible
+    probabilities; the update `<v h>_data - <v h>_model` (eq. 2) is
+    `-grad [F(v) - F(v~)]` with `v~` held fixed.
+
+    Args:
+        num_hidden: number of hidden units (> 0).
+        seed: seed of the Gibbs sampler.
+
+    Call arguments:
+        inputs: `[B, V]` visible probabilities in [0, 1].
+
+    Returns:
+        `[B, num_hidden]` hidden probabilities.
+    """
+
+    def __init__(self, num_hidden, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(num_hidden, int) or num_hidden <= 0:
+            raise ValueError(f"num_hidden must be a positive integer. Received: num_hidden={num_hidden!r}")
+        self.num_hidden = num_hidden
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed)
+
+    def build(self, input_shape):
+        num_visible = input_shape[-1]
+        self.kernel = self.add_weight(name="kernel", shape=(num_visible, self.num_hidden),
+                                      initializer=keras.initializers.RandomNormal(stddev=0.01))
+        self.visible_bias = self.add_weight(name="visible_bias", shape=(num_visible,),
+                                            initializer="zeros")
+        self.hidden_bias = self.add_weight(name="hidden_bias", shape=(self.num_hidden,),
+                                           initializer="zeros")
+
+    def p_on(self, v):
+        return ops.sigmoid(ops.matmul(v, self.kernel) + self.hidden_bias)
+
+    def visible_probabilities(self, h):
+        return ops.sigmoid(ops.matmul(h, ops.transpose(self.kernel)) + self.visible_bias)
+
+    def free_energy(self, v):
+        # A NumPy `v` on the left of `*` would turn the bias into a constant.
+        v = ops.convert_to_tensor(v, self.compute_dtype)
+        return (-ops.sum(v * self.visible_bias, axis=-1)
+                - ops.sum(ops.softplus(ops.matmul(v, self.kernel) + self.hidden_bias), axis=-1))
+
+    def sample_hidden(self, v):
+        p = self.p_on(v)
+        return ops.cast(keras.random.uniform(ops.shape(p), seed=self.seed_generator) < p, p.dtype)
+
+    def gibbs(self, v, steps=1):
+        for _ in range(steps):
+            v = self.visible_probabilities(self.sample_hidden(v))
+        return v
+
+    def reconstruct(self, v, steps=1):
+        for _ in range(steps):
+            v = self.visible_probabilities(self.p_on(v))
+        return v
+
+    def call(self, inputs):
+        return self.p_on(inputs)
+
+    def _cd_gradients(self, v, steps, chain):
+        negatives = self.gibbs(v if chain is None else chain, steps)
+        h_pos, h_neg = self.p_on(v), self.p_on(negatives)
+        n = ops.cast(ops.shape(v)[0], v.dtype)
+        grads = [
+            (ops.matmul(ops.transpose(v), h_pos) - ops.matmul(ops.transpose(negatives), h_neg)) / n,
+            ops.mean(v, axis=0) - ops.mean(negatives, axis=0),
+            ops.mean(h_pos, axis=0) - ops.mean(h_neg, axis=0),
+        ]
+        stats = {"free_energy": self.free_energy(v), "p_on": h_pos,
+                 "reconstruction": self.reconstruct(v)}
+        return grads, negatives, stats
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[0], self.num_hidden)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_hidden=self.num_hidden, seed=self.seed)
+        return config

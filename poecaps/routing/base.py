@@ -1,0 +1,47 @@
+"""The one routing interface shared by every routing procedure."""
+
+import collections
+
+import keras
+
+RoutingResult = collections.namedtuple("RoutingResult", ["poses", "activations", "coefficients"])
+RoutingResult.__doc__ = """What a routing procedure returns.
+
+poses:        [batch, num_out, pose_dim]  (squashed upper capsules)
+activations:  [batch, num_out]            (probability each upper capsule is on)
+coefficients: [batch, num_in, num_out]    (routing coefficients c_ij)
+"""
+
+
+class Routing(keras.layers.Layer):
+    """Base class of routing procedures.
+
+    Call arguments:
+        votes: `[batch, num_in, num_out, pose_dim]`, the predictions u_{j|i}.
+        activations: `[batch, num_in]` or None (treated as ones).
+        training: Python bool or None.
+
+    Returns:
+        `RoutingResult(poses, activations, coefficients)`.
+    """
+
+    def __init__(self, iterations=3, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(iterations, int) or iterations < 0:
+            raise ValueError(
+                f"iterations must be a non-negative integer. Received: iterations={iterations!r}"
+            )
+        self.iterations = iterations
+
+    def compute_output_spec(self, votes, activations=None, training=None):
+        b, _, j, d = votes.shape
+        return RoutingResult(
+            keras.KerasTensor((b, j, d), dtype=votes.dtype),
+            keras.KerasTensor((b, j), dtype=votes.dtype),
+            keras.KerasTensor(votes.shape[:3], dtype=votes.dtype),
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config["iterations"] = self.iterations
+        return config

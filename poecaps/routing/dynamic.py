@@ -1,0 +1,147 @@
+"""Dynamic routing by agreement (Sabour et al. 2017; Hauser 2019, section 2.2)."""
+
+import keras
+from keras import ops
+
+from poecaps.capsules import EPSILON, safe_norm, squash
+from poecaps.routing.base import Routing, RoutingResult
+
+AGREEMENTS = ("dot", "cosine")
+NORMALIZATIONS = ("parents", "children")
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class DynamicRouting(Routing):
+    """Routing by agreement with dot-product (Sabour) or cosine (Hauser) agreement.
+
+    With votes `u_{j|i}` (`[B, I, J, D]`), logits start at `b_ij = 0`; each
+    of `iterations` rounds computes
+
+        c = softmax(b)                         (over parents j or children i)
+        z_j = sum_i c_ij a_i u_{j|i}           (Hauser eq. 3)
+        v_j = squash(z_j)                      (Hauser eq. 4)
+        b_ij += agreement(u_{j|i}, v_j)        (dot: u.v;  cosine: u.v/|u||v|)
+
+    and a last `c = softmax(b)`, `z`, `v` give the result. `iterations=0`
+    gives uniform coefficients (the "no routing" ablation). Sabour's `r`
+    routing iterations are `iterations = r - 1` logit updates here.
+
+    `normalize="parents"` makes each lower capsule spread one unit of vote
+    over its parents (sum_j c_ij = 1, Sabour's procedure and Hauser's text);
+    `normalize="children"` normalises over the lower capsules (sum_i c_ij = 1,
+    as Hauser eq. 3 is written).
+
+    Args:
+        iterations: number of agreement updates, >= 0.
+        agreement: "dot" or "cosine".
+        normalize: "parents" or "children".
+
+    Call arguments:
+        votes: `[B, I, J, D]`.
+        activations: `[B, I]` or None (ones).
+
+    Returns:
+        `RoutingResult(poses [B, J, D], activations [B, J] = |poses|,
+        coefficients [B, I, J])`.
+
+    Example:
+    >>> routing = DynamicRouting(iterations=3, agreement="cosine")
+    >>> result = routing(keras.random.normal((2, 6, 3, 4)))
+    >>> result.poses.shape
+    (2, 3, 4)
+
+    `route_linear(x, W)` gives the same result for linear votes
+    `u_{j|i} = W_ij x_i` without ever forming the `[B, I, J, D]` votes: every
+    contraction becomes one batched matmul over the upper capsules.
+    """
+
+    def __init__(self, iterations=3, agreement="dot", normalize="parents", **kwargs):
+        super().__init__(iterations=iterations, **kwargs)
+        if agreement not in AGREEMENTS:
+            raise ValueError(f"agreement must be one of {AGREEMENTS}. Received: agreement={agreement!r}")
+        if normalize not in NORMALIZATIONS:
+            raise ValueError(
+                f"normalize must be one of {NORMALIZATIONS}. Received: normalize={normalize!r}"
+            )
+        self.agreement = agreement
+        self.normalize = normalize
+
+    def _loop(self, logits, softmax_axis, weighted_sum, dot_with_votes, vote_norms, v_norm):
+        """The routing loop, written once for both vote layouts; returns (c, z)."""
+        softmax = lambda b: ops.softmax(b, axis=softmax_axis)
+        norms = vote_norms() if self.agreement == "cosine" and self.iterations else None
+        for _ in range(self.iterations):
+            v = squash(weighted_sum(softmax(logits)))
+            agreement = dot_with_votes(v)
+            if norms is not None:
+                agreement = agreement / (norms * v_norm(v))
+            logits = logits + agreement
+        c = softmax(logits)
+        return c, weighted_sum(c)
+
+    @staticmethod
+    def _compute_dtype(tensor):
+        # Routing runs in float32 under mixed precision (float64 stays float64).
+        return "float64" if str(tensor.dtype).endswith("float64") else "float32"
+
+    @staticmethod
+    def _result(c, z):
+        poses = squash(z)
+        return RoutingResult(poses, safe_norm(poses, epsilon=EPSILON * EPSILON), c)
+
+    def call(self, votes, activations=None, training=None):
+        dtype = self._compute_dtype(votes)
+        votes = ops.cast(votes, dtype)
+        weight = 1.0 if activations is None else ops.cast(activations, dtype)[:, :, None]
+        c, z = self._loop(
+            ops.zeros(ops.shape(votes)[:3], dtype=dtype),
+            2 if self.normalize == "parents" else 1,
+            # [B, I, J] x [B, I, J, D] -> [B, J, D]
+            lambda c: ops.einsum("bij,bijd->bjd", c * weight, votes),
+            # [B, I, J, D] x [B, J, D] -> [B, I, J]
+            lambda v: ops.einsum("bijd,bjd->bij", votes, v),
+            lambda: safe_norm(votes),
+            lambda v: safe_norm(v)[:, None, :],
+        )
+        return self._result(c, z)
+
+    def route_linear_j(self, x, kernel, activations=None):
+        """`route_linear` in the upper-capsule-major layout: `(cj [J, B, I], zj [J, B, D_out])`.
+
+        `zj` is the pre-activation of the final poses (eq. 3), which the CD
+        trainer reuses.
+        """
+        from poecaps import energy
+
+        dtype = self._compute_dtype(x)
+        x, kernel = ops.cast(x, dtype), ops.cast(kernel, dtype)
+        weight = 1.0 if activations is None else ops.cast(activations, dtype)[None]
+        wr, wt = energy.kernel_views(kernel)
+        d_in = kernel.shape[-1]
+        return self._loop(
+            ops.zeros((kernel.shape[1], ops.shape(x)[0], kernel.shape[0]), dtype=dtype),
+            0 if self.normalize == "parents" else 2,
+            lambda cj: energy.routed_sum_j(x, wr, cj * weight),
+            # [J, B, I, D_in] x [B, I, D_in] -> [J, B, I]
+            lambda vj: ops.sum(energy.transpose_votes_j(vj, wt, d_in) * x[None], axis=-1),
+            lambda: energy.vote_norms_j(x, kernel),
+            lambda vj: safe_norm(vj)[:, :, None],
+        )
+
+    def route_linear(self, x, kernel, activations=None):
+        """Route linear votes `u_{j|i} = W_ij x_i` without materialising them.
+
+        Args:
+            x: `[B, I, D_in]` lower capsules.
+            kernel: `[I, J, D_out, D_in]` transformation matrices W.
+            activations: `[B, I]` or None.
+        """
+        from poecaps import energy
+
+        cj, zj = self.route_linear_j(x, kernel, activations)
+        return self._result(energy.from_j_major(cj), ops.transpose(zj, (1, 0, 2)))
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(agreement=self.agreement, normalize=self.normalize)
+        return config

@@ -1,0 +1,162 @@
+"""Run directories, saved components and the whole capsule path.
+
+A run directory holds `config.json`, `state.json` (finished stages),
+`checkpoints/` (mid-stage backups), `logs/` (TensorBoard),
+`metrics.jsonl`, `models/` (one file per trained component) and PNG figures.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+from keras import ops
+
+from poecaps import experts, layers, rbm  # noqa: F401  (registers the serializable classes)
+from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash
+
+
+def save_layer(layer, path):
+    """Save a built layer's config, input shape and weights in one `.npz`, atomically."""
+    config = json.dumps(keras.saving.serialize_keras_object(layer))
+    arrays = {f"w{k}": w for k, w in enumerate(layer.get_weights())}
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, config=np.array(config), input_shape=np.array(layer._build_shape), **arrays)
+    os.replace(tmp, path)
+
+
+def load_layer(path):
+    """Load a layer saved by `save_layer`."""
+    with np.load(path) as stored:
+        layer = keras.saving.deserialize_keras_object(json.loads(str(stored["config"])))
+        shape = tuple(int(d) for d in stored["input_shape"])
+        if not layer.built:
+            layer.build((None, *shape))
+        layer._build_shape = shape
+        count = len([k for k in stored.files if k.startswith("w")])
+        layer.set_weights([stored[f"w{k}"] for k in range(count)])
+    return layer
+
+
+def build_layer(layer, input_shape):
+    """Build `layer` for `input_shape` (without batch) and remember the shape for saving."""
+    layer.build((None, *input_shape))
+    layer._build_shape = tuple(input_shape)
+    return layer
+
+
+def batched(fn, array, batch_size=256):
+    """Apply `fn` to `array` in batches and concatenate the NumPy results."""
+    return np.concatenate([ops.convert_to_numpy(fn(array[k:k + batch_size]))
+                           for k in range(0, len(array), batch_size)])
+
+
+class CapsulePipeline:
+    """The whole capsule path: image -> lower capsules -> upper capsules -> image.
+
+    Args:
+        autoencoder: trained `ConvAutoencoder` (the front end).
+        encoder: trained `CapsuleExperts` (lower -> upper).
+        decoder: trained `CapsuleExperts` (upper -> lower), or None.
+        capsule_dim: dimension of the lower capsules.
+        mean_directions: `[J, D]` mean training direction of each upper
+            capsule (for restricted-domain sampling), or None.
+        code_mean: `[H, W, C]` mean training code subtracted before the
+            capsules are formed (the centering trick of Montavon and Mueller,
+            2012), or None for the paper's uncentered capsules.
+    """
+
+    def __init__(self, autoencoder, encoder=None, decoder=None, capsule_dim=8,
+                 mean_directions=None, code_mean=None):
+        self.autoencoder = autoencoder
+        self.encoder = encoder
+        self.decoder = decoder
+        self.capsule_dim = capsule_dim
+        self.mean_directions = mean_directions
+        self.code_mean = code_mean
+
+    @property
+    def num_upper(self):
+        return self.encoder.num_capsules
+
+    @property
+    def upper_dim(self):
+        return self.encoder.capsule_dim
+
+    def lower_capsules(self, images):
+        code = self.autoencoder.encode(images)
+        if self.code_mean is not None:
+            code = code - self.code_mean
+        return squash(primary_capsules(code, self.capsule_dim))
+
+    def upper_capsules(self, lower):
+        return self.encoder(lower)
+
+    def decode_lower(self, lower):
+        code = capsules_to_code(unsquash(lower), self.autoencoder.code_shape)
+        if self.code_mean is not None:
+            code = code + self.code_mean
+        return self.autoencoder.decode(code)
+
+    def decode_upper(self, upper):
+        return self.decode_lower(self.decoder(upper))
+
+    def reconstruct(self, images):
+        return self.decode_upper(self.upper_capsules(self.lower_capsules(images)))
+
+    def save(self, directory):
+        os.makedirs(directory, exist_ok=True)
+        for name in ("autoencoder", "encoder", "decoder"):
+            if getattr(self, name) is not None:
+                save_layer(getattr(self, name), os.path.join(directory, f"{name}.npz"))
+        for name in ("mean_directions", "code_mean"):
+            if getattr(self, name) is not None:
+                np.save(os.path.join(directory, f"{name}.npy"), getattr(self, name))
+
+    @classmethod
+    def load(cls, directory, capsule_dim=8):
+        def maybe(name):
+            path = os.path.join(directory, f"{name}.npz")
+            return load_layer(path) if os.path.exists(path) else None
+
+        autoencoder = maybe("autoencoder")
+        if autoencoder is None:
+            raise FileNotFoundError(f"No trained autoencoder in {directory}; run the 'autoencoder' stage.")
+        def array(name):
+            path = os.path.join(directory, f"{name}.npy")
+            return np.load(path) if os.path.exists(path) else None
+
+        return cls(autoencoder, maybe("encoder"), maybe("decoder"), capsule_dim,
+                   array("mean_directions"), array("code_mean"))
+
+
+class RunDir:
+    """Paths and small JSON files of one run directory."""
+
+    def __init__(self, path):
+        self.path = path
+        self.models = os.path.join(path, "models")
+        self.checkpoints = os.path.join(path, "checkpoints")
+        self.logs = os.path.join(path, "logs")
+        for directory in (path, self.models, self.checkpoints, self.logs):
+            os.makedirs(directory, exist_ok=True)
+
+    def file(self, name):
+        return os.path.join(self.path, name)
+
+    def read_json(self, name, default=None):
+        path = self.file(name)
+        if not os.path.exists(path):
+            return default
+        with open(path) as handle:
+            return json.load(handle)
+
+    def write_json(self, name, obj):
+        tmp = self.file(name + ".tmp")
+        with open(tmp, "w") as handle:
+            json.dump(obj, handle, indent=2, sort_keys=True)
+        os.replace(tmp, self.file(name))
+
+    def append_metrics(self, record):
+        with open(self.file("metrics.jsonl"), "a") as handle:
+            handle.write(json.dumps(record) + "\n")

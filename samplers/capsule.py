@@ -1,0 +1,53 @@
+"""Sampling images from capsule space (Hauser section 4.2, Figure 2)."""
+
+import numpy as np
+from keras import ops
+
+from poecaps.capsules import squash
+
+
+class CapsuleSampler:
+    """Draws the Figure 2 grid: one column per upper capsule, `rows` draws each.
+
+    For upper capsule j and each row: `y ~ N(0, I_D)`, all other capsules 0;
+    `squash(y)`; route down with the capsule decoder U to the lower
+    capsules; unsquash, reshape to the conv code and decode to an image
+    (`CapsulePipeline.decode_upper`). With `restricted=True` each draw is
+    flipped into the half of the sphere that training data visited,
+    `y . m_j >= 0` for the mean training direction `m_j`.
+
+    Args:
+        pipeline: a trained `poecaps.runs.CapsulePipeline`.
+        seed: seed of the draws.
+
+    Returns (from `sample`):
+        dict with `images [rows, J, H, W, C]` in [0, 1] and `draws [rows, J, D]`.
+    """
+
+    def __init__(self, pipeline, seed=0):
+        self.pipeline = pipeline
+        self.seed = seed
+
+    def sample(self, rows=4, restricted=False, batch_size=64):
+        if rows < 1:
+            raise ValueError(f"rows must be >= 1. Received: rows={rows}")
+        num_caps, dim = self.pipeline.num_upper, self.pipeline.upper_dim
+        draws = np.random.default_rng(self.seed).standard_normal((rows, num_caps, dim))
+        draws = draws.astype("float32")
+        if restricted:
+            directions = self.pipeline.mean_directions
+            if directions is None:
+                raise ValueError("Restricted sampling needs the training mean directions; "
+                                 "train the decoder stage first.")
+            sign = np.where(np.sum(draws * directions[None], axis=-1, keepdims=True) < 0, -1.0, 1.0)
+            draws = draws * sign.astype("float32")
+        upper = np.zeros((rows, num_caps, num_caps, dim), dtype="float32")
+        for j in range(num_caps):
+            upper[:, j, j] = draws[:, j]
+        upper = ops.convert_to_numpy(squash(upper.reshape(rows * num_caps, num_caps, dim)))
+        images = np.concatenate([
+            ops.convert_to_numpy(self.pipeline.decode_upper(upper[k:k + batch_size]))
+            for k in range(0, len(upper), batch_size)])
+        return {"images": images.reshape(rows, num_caps, *images.shape[1:]), "draws": draws}
+
+

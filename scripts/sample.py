@@ -1,0 +1,44 @@
+"""Sample images from capsule space: RUN/samples.png and RUN/samples.npz (Hauser Figure 2).
+
+Example:
+    python scripts/sample.py --run-dir runs/fmnist --rows 4 --restricted
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+
+from poecaps import cli, figures
+from poecaps.runs import CapsulePipeline, RunDir
+from samplers import CapsuleSampler
+
+
+def main(argv=None):
+    p = cli.parser(__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=4, help="draws per capsule")
+    p.add_argument("--restricted", action="store_true",
+                   help="draw from the half-sphere that training data visited")
+    p.add_argument("--dataset", help="ignored: the run's own dataset is used")
+    p.add_argument("--data-dir", help="ignored: the run's own data directory is used")
+    args = p.parse_args(argv)
+    run = RunDir(args.run_dir)
+    pipeline = CapsulePipeline.load(run.models, run.read_json("config.json", {}).get("capsule_dim", 8))
+    if pipeline.decoder is None:
+        sys.exit(f"{args.run_dir} has no trained decoder; run scripts/train_layerwise.py first.")
+    result = CapsuleSampler(pipeline, seed=args.seed).sample(args.rows, restricted=args.restricted)
+    np.savez(run.file("samples.npz"), images=result["images"], draws=result["draws"])
+    domain = "restricted" if args.restricted else "full"
+    for name in ("samples.png", f"samples_{domain}.png"):
+        figures.image_grid(result["images"], run.file(name),
+                           title=f"Samples from capsule space ({domain} domain): one column per capsule",
+                           column_labels=range(result["images"].shape[1]))
+    print(f"wrote {run.file('samples.png')} and {run.file('samples.npz')} "
+          f"(images {result['images'].shape})")
+
+
+if __name__ == "__main__":
+    main()

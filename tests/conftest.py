@@ -1,0 +1,24 @@
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras
+import numpy as np
+import pytest
+
+MNIST_5K = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist-5k")
+
+
+@pytest.fixture
+def rng():
+    keras.utils.set_random_seed(0)
+    return np.random.default_rng(0)
+
+
+@pytest.fixture
+def mnist_dir():
+    path = os.path.abspath(MNIST_5K)
+    if not os.path.isdir(path):
+        pytest.fail(f"the shared MNIST-5k data is missing at {path}")
+    return path

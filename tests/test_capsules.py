@@ -1,0 +1,67 @@
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps import energy
+from poecaps.capsules import capsules_to_code, primary_capsules, safe_norm, squash, unsquash
+
+
+def np_squash(z):
+    n = np.linalg.norm(z, axis=-1, keepdims=True)
+    return n**2 / (1 + n**2) * z / n
+
+
+def test_squash_matches_hand_computation():
+    z = np.array([[3.0, 4.0]], dtype="float32")  # |z| = 5 -> length 25/26
+    out = ops.convert_to_numpy(squash(z))
+    np.testing.assert_allclose(out, [[25 / 26 * 3 / 5, 25 / 26 * 4 / 5]], rtol=1e-6)
+
+
+def test_squash_matches_numpy(rng):
+    z = rng.normal(size=(5, 7, 8)).astype("float32") * 3
+    np.testing.assert_allclose(ops.convert_to_numpy(squash(z)), np_squash(z), rtol=1e-5)
+
+
+def test_unsquash_inverts_squash(rng):
+    z = (rng.normal(size=(64, 16)) * rng.uniform(0.05, 5.0, size=(64, 1))).astype("float64")
+    back = ops.convert_to_numpy(unsquash(squash(z, epsilon=1e-30), epsilon=1e-30))
+    np.testing.assert_allclose(back, z, rtol=1e-6, atol=1e-9)
+
+
+def test_unsquash_clips_lengths_at_or_above_one():
+    x = np.array([[1.0, 0.0], [3.0, 4.0]], dtype="float32")
+    out = ops.convert_to_numpy(unsquash(x))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out[1] / np.linalg.norm(out[1]), [0.6, 0.8], rtol=1e-5)
+
+
+def test_safe_norm_has_finite_gradient_at_zero():
+    import tensorflow as tf
+
+    z = tf.zeros((2, 4))
+    with tf.GradientTape() as tape:
+        tape.watch(z)
+        n = tf.reduce_sum(safe_norm(z))
+    assert np.all(np.isfinite(tape.gradient(n, z).numpy()))
+
+
+def test_p_on_equals_length_of_squashed_capsule(rng):
+    x = ops.convert_to_numpy(squash(rng.normal(size=(4, 6, 3)).astype("float32")))
+    w = rng.normal(size=(6, 5, 4, 3)).astype("float32")
+    c = rng.dirichlet(np.ones(5), size=(4, 6)).astype("float32")
+    z = np.einsum("bij,ijoe,bie->bjo", c, w, x)
+    np.testing.assert_allclose(ops.convert_to_numpy(energy.p_on(x, w, c)),
+                               np.linalg.norm(np_squash(z), axis=-1), rtol=1e-5)
+
+
+def test_primary_capsules_reshape_and_inverse(rng):
+    code = rng.normal(size=(2, 6, 6, 128)).astype("float32")
+    caps = primary_capsules(code, 8)
+    assert caps.shape == (2, 576, 8)
+    np.testing.assert_array_equal(ops.convert_to_numpy(caps)[0, 1], code[0, 0, 0, 8:16])
+    np.testing.assert_array_equal(ops.convert_to_numpy(capsules_to_code(caps, (6, 6, 128))), code)
+
+
+def test_primary_capsules_rejects_dimension_not_dividing_channels():
+    with pytest.raises(ValueError, match="capsule_dim=7"):
+        primary_capsules(np.zeros((1, 2, 2, 16), "float32"), 7)

@@ -1,0 +1,110 @@
+import gzip
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from poecaps import data
+
+
+def _write_idx(path, array):
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(">" + "I" * array.ndim, *array.shape)
+    with gzip.open(path, "wb") as handle:
+        handle.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def idx_dir(tmp_path):
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("t10k", 4)):
+        _write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 5, 5)))
+        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", np.arange(n) % 3)
+    return tmp_path
+
+
+def test_load_from_idx_directory(idx_dir):
+    ds = data.load("mnist", "train", data_dir=str(idx_dir))
+    images, labels = zip(*ds.as_numpy_iterator())
+    images = np.stack(images)
+    assert images.shape == (6, 5, 5, 1) and images.dtype == np.float32
+    assert 0.0 <= images.min() and images.max() <= 1.0
+    np.testing.assert_array_equal(labels, [0, 1, 2, 0, 1, 2])
+    assert np.asarray(labels).dtype == np.int64
+
+
+def test_load_from_environment_variable(idx_dir, monkeypatch):
+    monkeypatch.setenv("POECAPS_DATA", str(idx_dir))
+    images, _, source = data.load_arrays("fashion_mnist", "test", source="idx")
+    assert images.shape == (4, 5, 5, 1) and source.startswith("idx:")
+
+
+def test_real_mnist_5k(mnist_dir):
+    images, labels, _ = data.load_arrays("mnist", "train", data_dir=mnist_dir)
+    assert images.shape == (4000, 28, 28, 1)
+    assert np.bincount(labels).tolist() == [400] * 10
+
+
+def test_truncated_idx_file_is_a_clear_error(idx_dir):
+    path = idx_dir / "train-images-idx3-ubyte.gz"
+    with gzip.open(path) as handle:
+        raw = handle.read()
+    with gzip.open(path, "wb") as handle:
+        handle.write(raw[:-7])
+    with pytest.raises(data.DataError, match="truncated or corrupted"):
+        data.load_arrays("mnist", "train", data_dir=str(idx_dir), source="idx")
+
+
+def test_corrupted_gzip_is_a_clear_error(idx_dir):
+    (idx_dir / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(data.DataError, match="not a readable"):
+        data.load_arrays("mnist", "train", data_dir=str(idx_dir), source="idx")
+
+
+def test_missing_dataset_lists_every_source_tried(tmp_path, monkeypatch):
+    monkeypatch.delenv("POECAPS_DATA", raising=False)
+    monkeypatch.setattr(data, "SYSTEM_DIRS", {"mnist": [str(tmp_path / "nowhere")],
+                                              "fashion_mnist": []})
+    monkeypatch.setattr(data, "_network_answers", lambda *a, **k: False)
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    with pytest.raises(data.DataError) as error:
+        data.load_arrays("mnist", "train", data_dir=str(tmp_path / "empty"))
+    message = str(error.value)
+    for expected in ("idx", "system", "tfds", "To get it"):
+        assert expected in message
+
+
+def test_tfds_is_used_when_prepared(tmp_path, monkeypatch):
+    """The TFDS path: a prepared (fake) builder is read without any download."""
+    import tensorflow as tf
+
+    class Builder:
+        def is_prepared(self):
+            return True
+
+        def as_dataset(self, split, as_supervised):
+            assert as_supervised and split == "test"
+            return tf.data.Dataset.from_tensor_slices(
+                (np.zeros((3, 4, 4, 1), np.uint8), np.array([1, 2, 3])))
+
+    import tensorflow_datasets as tfds
+
+    monkeypatch.setattr(tfds, "builder", lambda name, data_dir=None: Builder())
+    images, labels, source = data.load_arrays("mnist", "test", source="tfds")
+    assert source == "tfds" and images.shape == (3, 4, 4, 1) and labels.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"name": "cifar", "split": "train"}, "name='cifar'"),
+    ({"name": "mnist", "split": "valid"}, "split='valid'"),
+    ({"name": "mnist", "split": "train", "source": "ftp"}, "source='ftp'"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(data.DataError, match=message):
+        data.load_arrays(**kwargs)
+
+
+def test_system_location_is_used_when_present(idx_dir, monkeypatch):
+    monkeypatch.setattr(data, "SYSTEM_DIRS", {"mnist": [], "fashion_mnist": [str(idx_dir)]})
+    _, _, source = data.load_arrays("fashion_mnist", "train")
+    assert source == f"system:{os.fspath(idx_dir)}"

@@ -1,0 +1,148 @@
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps.capsules import squash
+from poecaps.experts import CapsuleExperts
+from poecaps.layers import CapsuleDense, ConvAutoencoder, PrimaryCapsules
+from poecaps.rbm import BernoulliRBM
+from poecaps.routing import DynamicRouting
+
+
+def _roundtrip(layer):
+    config = layer.get_config()
+    clone = layer.__class__.from_config(config)
+    assert clone.get_config() == config
+    return clone
+
+
+def _save_and_reload(tmp_path, model, inputs):
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    reloaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(ops.convert_to_numpy(model(inputs)),
+                                  ops.convert_to_numpy(reloaded(inputs)))
+
+
+def test_capsule_dense_shapes_and_hand_computed_case():
+    layer = CapsuleDense(1, 2, routing=DynamicRouting(0))
+    x = np.array([[[1.0, 0.0], [0.0, 1.0]]], dtype="float32")  # two 2-D inputs, one parent
+    layer.build(x.shape)
+    layer.kernel.assign(np.array([[[[1.0, 0.0], [0.0, 1.0]]], [[[2.0, 0.0], [0.0, 2.0]]]]))
+    # c = 1 (one parent); z = I x_1 + 2 I x_2 = (1, 2); squash -> 5/6 * (1, 2)/sqrt(5)
+    expected = 5 / 6 * np.array([1.0, 2.0]) / np.sqrt(5)
+    np.testing.assert_allclose(ops.convert_to_numpy(layer(x))[0, 0], expected, rtol=1e-5)
+
+
+def test_capsule_dense_votes_path_equals_linear_path(rng):
+    x = rng.normal(size=(2, 6, 4)).astype("float32")
+    layer = CapsuleDense(3, 5, routing="cosine")
+    fast = ops.convert_to_numpy(layer(x))
+    slow = ops.convert_to_numpy(layer.routing(layer.votes(x)).poses)
+    np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_capsules": 0, "capsule_dim": 4}, "num_capsules=0"),
+    ({"num_capsules": 3, "capsule_dim": -2}, "capsule_dim=-2"),
+])
+def test_capsule_dense_invalid_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CapsuleDense(**kwargs)
+
+
+def test_capsule_dense_rejects_wrong_rank():
+    with pytest.raises(ValueError, match="input_shape"):
+        CapsuleDense(2, 3).build((4, 8))
+
+
+def test_capsule_dense_config_round_trip_and_save(tmp_path, rng):
+    layer = CapsuleDense(3, 5, routing=DynamicRouting(2, "cosine", "children"),
+                         kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1),
+                         kernel_regularizer=keras.regularizers.L2(0.1), name="caps")
+    clone = _roundtrip(layer)
+    assert clone.routing.get_config() == layer.routing.get_config()
+    inputs = keras.Input((6, 4))
+    model = keras.Model(inputs, layer(inputs))
+    _save_and_reload(tmp_path, model, rng.normal(size=(2, 6, 4)).astype("float32"))
+
+
+def test_capsule_dense_tiny_fit(rng):
+    x = rng.normal(size=(16, 6, 4)).astype("float32")
+    y = rng.uniform(0.1, 0.9, size=(16, 2)).astype("float32")
+    inputs = keras.Input((6, 4))
+    lengths = keras.layers.Lambda(lambda p: ops.sqrt(ops.sum(p * p, -1) + 1e-7))(
+        CapsuleDense(2, 3, routing="dynamic")(inputs))
+    model = keras.Model(inputs, lengths)
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
+    history = model.fit(x, y, epochs=15, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+def test_primary_capsules(tmp_path, rng):
+    layer = PrimaryCapsules(capsule_dim=4, squash=False, name="prim")
+    _roundtrip(layer)
+    code = rng.normal(size=(2, 3, 3, 8)).astype("float32")
+    out = ops.convert_to_numpy(layer(code))
+    assert out.shape == (2, 18, 4)
+    np.testing.assert_array_equal(out[1, 3], code[1, 0, 1, 4:8])
+    squashed = ops.convert_to_numpy(PrimaryCapsules(4)(code))
+    np.testing.assert_allclose(squashed, ops.convert_to_numpy(squash(out)), rtol=1e-6)
+    with pytest.raises(ValueError, match="capsule_dim=3"):
+        PrimaryCapsules(3)(code)
+    with pytest.raises(ValueError, match="capsule_dim=0"):
+        PrimaryCapsules(0)
+
+
+def test_conv_autoencoder_sizes_rgb_and_tied_weights(rng):
+    ae = ConvAutoencoder(filters=16, kernel_size=5, strides=2, dropout=0.2, seed=3)
+    images = rng.uniform(size=(2, 32, 32, 3)).astype("float32")
+    out = ae(images)
+    assert out.shape == images.shape
+    assert ae.code_shape == (12, 12, 16)
+    assert tuple(ae.encode(images).shape) == (2, 12, 12, 16)
+    # Only two filter banks: the decoder reuses them transposed.
+    assert sorted(w.path.split("/")[-1] for w in ae.weights if len(w.shape) == 4) == ["kernel1", "kernel2"]
+
+
+def test_conv_autoencoder_paper_sizes(rng):
+    ae = ConvAutoencoder()
+    images = rng.uniform(size=(1, 28, 28, 1)).astype("float32")
+    assert tuple(ae.encode(images).shape) == (1, 6, 6, 128)
+    assert ae(images).shape == (1, 28, 28, 1)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"filters": 0}, "filters=0"), ({"dropout": 1.5}, "dropout=1.5"), ({"strides": 0}, "strides=0")])
+def test_conv_autoencoder_invalid_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ConvAutoencoder(**kwargs)
+
+
+def test_conv_autoencoder_rejects_too_small_images():
+    with pytest.raises(ValueError, match="too small"):
+        ConvAutoencoder(kernel_size=9)(np.zeros((1, 12, 12, 1), "float32"))
+
+
+def test_conv_autoencoder_config_round_trip_and_save(tmp_path, rng):
+    _roundtrip(ConvAutoencoder(filters=8, kernel_size=3, strides=1, dropout=0.3,
+                               negative_slope=0.1, seed=7, name="ae"))
+    inputs = keras.Input((10, 10, 1))
+    model = keras.Model(inputs, ConvAutoencoder(filters=8, kernel_size=3)(inputs))
+    _save_and_reload(tmp_path, model, rng.uniform(size=(2, 10, 10, 1)).astype("float32"))
+
+
+def test_capsule_experts_and_rbm_config_round_trip_and_save(tmp_path, rng):
+    experts = CapsuleExperts(4, 3, routing=DynamicRouting(1, "dot", "children"), name="poe")
+    clone = _roundtrip(experts)
+    assert clone.routing.normalize == "children"
+    inputs = keras.Input((5, 2))
+    _save_and_reload(tmp_path, keras.Model(inputs, experts(inputs)),
+                     rng.normal(size=(2, 5, 2)).astype("float32"))
+    rbm = BernoulliRBM(7, seed=3, name="rbm")
+    _roundtrip(rbm)
+    inputs = keras.Input((6,))
+    _save_and_reload(tmp_path, keras.Model(inputs, rbm(inputs)), rng.uniform(size=(3, 6)).astype("float32"))
+    with pytest.raises(ValueError, match="num_hidden=0"):
+        BernoulliRBM(0)

@@ -1,0 +1,119 @@
+"""Dynamic routing against a plain NumPy reference written here."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps import routing
+from poecaps.routing import DynamicRouting, RoutingResult
+
+
+def numpy_dynamic_routing(votes, iterations, agreement, normalize, activations=None):
+    """Sabour's procedure with loops, straight from the description."""
+    batch, num_in, num_out, _ = votes.shape
+    a = np.ones((batch, num_in)) if activations is None else activations
+    b = np.zeros((batch, num_in, num_out))
+
+    def softmax(logits):
+        axis = 2 if normalize == "parents" else 1
+        e = np.exp(logits - logits.max(axis=axis, keepdims=True))
+        return e / e.sum(axis=axis, keepdims=True)
+
+    def squash(z):
+        n2 = (z * z).sum(-1, keepdims=True)
+        return n2 / (1 + n2) * z / np.sqrt(n2 + 1e-7)
+
+    for _ in range(iterations):
+        c = softmax(b)
+        v = np.zeros((batch, num_out, votes.shape[-1]))
+        for n in range(batch):
+            for j in range(num_out):
+                for i in range(num_in):
+                    v[n, j] += c[n, i, j] * a[n, i] * votes[n, i, j]
+        v = squash(v)
+        for n in range(batch):
+            for i in range(num_in):
+                for j in range(num_out):
+                    dot = votes[n, i, j] @ v[n, j]
+                    if agreement == "cosine":
+                        dot /= np.sqrt(votes[n, i, j] @ votes[n, i, j] + 1e-7) * np.sqrt(v[n, j] @ v[n, j] + 1e-7)
+                    b[n, i, j] += dot
+    c = softmax(b)
+    z = np.einsum("bij,bi,bijd->bjd", c, a, votes)
+    return squash(z), c
+
+
+@pytest.mark.parametrize("agreement", ["dot", "cosine"])
+@pytest.mark.parametrize("normalize", ["parents", "children"])
+@pytest.mark.parametrize("iterations", [0, 1, 3])
+def test_matches_numpy_reference(rng, agreement, normalize, iterations):
+    votes = rng.normal(size=(2, 5, 3, 4))
+    activations = rng.uniform(size=(2, 5))
+    layer = DynamicRouting(iterations, agreement=agreement, normalize=normalize)
+    result = layer(votes, activations)
+    poses, c = numpy_dynamic_routing(votes, iterations, agreement, normalize, activations)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), c, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.poses), poses, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.activations),
+                               np.linalg.norm(poses, axis=-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("agreement", ["dot", "cosine"])
+@pytest.mark.parametrize("normalize", ["parents", "children"])
+def test_linear_route_equals_routing_on_votes(rng, agreement, normalize):
+    x = rng.normal(size=(3, 7, 4))
+    w = rng.normal(size=(7, 5, 6, 4)) * 0.3
+    layer = DynamicRouting(2, agreement=agreement, normalize=normalize)
+    votes = np.einsum("ijoe,bie->bijo", w, x)
+    on_votes, linear = layer(votes), layer.route_linear(x, w)
+    for a, b in zip(on_votes, linear):
+        np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
+
+
+def test_zero_iterations_gives_uniform_coefficients(rng):
+    result = DynamicRouting(0)(rng.normal(size=(2, 5, 4, 3)))
+    np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), 0.25)
+    result = DynamicRouting(0, normalize="children")(rng.normal(size=(2, 5, 4, 3)))
+    np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), 0.2)
+
+
+def test_coefficients_sum_to_one_over_the_chosen_axis(rng):
+    votes = rng.normal(size=(2, 6, 4, 3))
+    c = ops.convert_to_numpy(DynamicRouting(3, normalize="parents")(votes).coefficients)
+    np.testing.assert_allclose(c.sum(axis=2), 1.0, rtol=1e-5)
+    c = ops.convert_to_numpy(DynamicRouting(3, normalize="children")(votes).coefficients)
+    np.testing.assert_allclose(c.sum(axis=1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"iterations": -1}, "iterations=-1"),
+    ({"agreement": "euclid"}, "agreement='euclid'"),
+    ({"normalize": "rows"}, "normalize='rows'"),
+])
+def test_invalid_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DynamicRouting(**kwargs)
+
+
+def test_get_resolves_names_configs_and_instances():
+    assert routing.get("cosine").agreement == "cosine"
+    assert routing.get("dynamic", iterations=5).iterations == 5
+    layer = DynamicRouting(4, "cosine", "children")
+    assert routing.get(layer) is layer
+    clone = routing.get(keras.saving.serialize_keras_object(layer))
+    assert clone.get_config() == layer.get_config()
+    with pytest.raises(ValueError, match="routing='nope'"):
+        routing.get("nope")
+
+
+def test_config_round_trip_with_non_default_arguments():
+    layer = DynamicRouting(iterations=5, agreement="cosine", normalize="children", name="r")
+    clone = DynamicRouting.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+
+
+def test_result_is_a_routing_result(rng):
+    result = DynamicRouting(1)(rng.normal(size=(2, 3, 2, 4)))
+    assert isinstance(result, RoutingResult)
+    assert result.poses.shape == (2, 2, 4) and result.coefficients.shape == (2, 3, 2)

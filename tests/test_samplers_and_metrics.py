@@ -1,0 +1,101 @@
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import samplers
+from poecaps import metrics
+from poecaps.experts import CapsuleExperts
+from poecaps.layers import ConvAutoencoder
+from poecaps.rbm import BernoulliRBM
+from poecaps.routing import DynamicRouting
+from poecaps.runs import CapsulePipeline, build_layer
+
+
+@pytest.fixture
+def pipeline(rng):
+    ae = build_layer(ConvAutoencoder(filters=8, kernel_size=5, seed=0), (16, 16, 1))
+    encoder = build_layer(CapsuleExperts(3, 4, routing=DynamicRouting(1, "cosine")),
+                          (ae.code_shape[0] * ae.code_shape[1] * 2, 4))
+    decoder = build_layer(CapsuleExperts(encoder._build_shape[0], 4,
+                                         routing=DynamicRouting(1, "cosine", "children"),
+                                         kernel_initializer=keras.initializers.RandomNormal(stddev=1.0, seed=1)),
+                          (3, 4))
+    directions = rng.normal(size=(3, 4)).astype("float32")
+    return CapsulePipeline(ae, encoder, decoder, capsule_dim=4, mean_directions=directions)
+
+
+def test_capsule_sampler_grid_shape_and_range(pipeline):
+    sampler = samplers.get("capsule", pipeline=pipeline, seed=0)
+    images = sampler.sample(rows=5)["images"]
+    assert images.shape == (5, 3, 16, 16, 1)
+    assert images.min() >= 0.0 and images.max() <= 1.0
+
+
+def test_capsule_sampler_draws_are_standard_normal(pipeline):
+    """Statistical check of the draws: mean 0 and variance 1 within 4 standard errors."""
+    draws = samplers.get("capsule", pipeline=pipeline, seed=1).sample(rows=400)["draws"]
+    n = draws.size
+    assert abs(draws.mean()) < 4 / np.sqrt(n)
+    assert abs(draws.var() - 1.0) < 4 * np.sqrt(2 / n)
+
+
+def test_restricted_domain_keeps_draws_on_the_training_half_sphere(pipeline):
+    result = samplers.get("capsule", pipeline=pipeline, seed=2).sample(rows=200, restricted=True)
+    dots = np.sum(result["draws"] * pipeline.mean_directions[None], axis=-1)
+    assert np.all(dots >= 0)
+    full = samplers.get("capsule", pipeline=pipeline, seed=2).sample(rows=200)["draws"]
+    np.testing.assert_allclose(np.abs(full), np.abs(result["draws"]))  # only signs flip
+
+
+def test_one_capsule_column_depends_only_on_that_capsule(pipeline):
+    """Each column routes exactly one capsule down: others are zero."""
+    sampler = samplers.CapsuleSampler(pipeline, seed=0)
+    images = sampler.sample(rows=2)["images"]
+    assert not np.allclose(images[:, 0], images[:, 1])
+
+
+def test_rbm_sampler(rng):
+    rbm = build_layer(BernoulliRBM(4, seed=0), (9,))
+    images = samplers.get("rbm", rbm=rbm, image_shape=(3, 3, 1), seed=0).sample(rows=3)["images"]
+    assert images.shape == (3, 4, 3, 3, 1)
+
+
+def test_unknown_sampler():
+    with pytest.raises(ValueError, match="name='gibbs'"):
+        samplers.get("gibbs")
+
+
+def test_sampler_rejects_zero_rows(pipeline):
+    with pytest.raises(ValueError, match="rows=0"):
+        samplers.CapsuleSampler(pipeline).sample(rows=0)
+
+
+def test_reconstruction_through_the_capsule_path_is_an_image(pipeline, rng):
+    images = rng.uniform(size=(2, 16, 16, 1)).astype("float32")
+    assert ops.convert_to_numpy(pipeline.reconstruct(images)).shape == images.shape
+
+
+def test_centered_code_round_trips_through_lower_capsules(pipeline, rng):
+    images = rng.uniform(size=(2, 16, 16, 1)).astype("float32")
+    pipeline.code_mean = rng.uniform(size=pipeline.autoencoder.code_shape).astype("float32")
+    lower = pipeline.lower_capsules(images)
+    direct = pipeline.autoencoder.decode(pipeline.autoencoder.encode(images))
+    np.testing.assert_allclose(ops.convert_to_numpy(pipeline.decode_lower(lower)),
+                               ops.convert_to_numpy(direct), atol=1e-4)
+
+
+def test_specialisation_hand_computed():
+    predicted = np.array([[0, 1, 2], [0, 1, 3], [0, 2, 3], [1, 1, 3]])
+    result = metrics.specialisation(predicted, classes=4)
+    assert result["majority"] == [0, 1, 3]
+    assert result["purity"] == [0.75, 0.75, 0.75]
+    assert result["classes_covered"] == 3
+
+
+def test_linear_probe_separates_separable_features(rng):
+    labels = rng.integers(0, 3, size=300)
+    features = np.eye(3)[labels] * 3 + rng.normal(size=(300, 3)) * 0.1
+    assert metrics.linear_probe(features[:200], labels[:200], features[200:], labels[200:]) > 0.95
+    noise = rng.normal(size=(300, 3))
+    assert metrics.linear_probe(noise[:200], labels[:200], noise[200:], labels[200:]) < 0.6

@@ -1,0 +1,129 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+from poecaps import energy
+from poecaps.capsules import squash, unsquash
+from poecaps.experts import CapsuleExperts
+from poecaps.layers import ConvAutoencoder
+from poecaps.rbm import BernoulliRBM
+from poecaps.routing import DynamicRouting
+from trainers.autoencoder import AutoencoderTrainer
+from trainers.cd import CDTrainer, FreeEnergyGap, cd_step, default_optimizer
+
+
+def _capsules(rng, n, num, dim, scale=2.0):
+    return ops.convert_to_numpy(squash(rng.normal(size=(n, num, dim)) * scale)).astype("float32")
+
+
+def _experts(num_in, d_in, num_out, d_out, normalize="parents", seed=0):
+    layer = CapsuleExperts(num_out, d_out, routing=DynamicRouting(2, "cosine", normalize),
+                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=seed))
+    layer.build((None, num_in, d_in))
+    return layer
+
+
+def test_cd_step_is_descent_direction_of_free_energy_difference(rng):
+    x = _capsules(rng, 4, 6, 3)
+    layer = _experts(6, 3, 2, 4)
+    grads, _, stats = cd_step(layer, x, l2=0.0)
+    c = layer.coefficients(x)
+    np.testing.assert_allclose(ops.convert_to_numpy(grads[0]),
+                               -ops.convert_to_numpy(energy.encoder_cd_gradient(x, layer.kernel, c)),
+                               rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(ops.convert_to_numpy(stats["p_on"]),
+                               ops.convert_to_numpy(layer.p_on(x)), rtol=1e-5)
+    l2_grads, _, _ = cd_step(layer, x, l2=0.5)
+    np.testing.assert_allclose(ops.convert_to_numpy(l2_grads[0] - grads[0]),
+                               0.5 * ops.convert_to_numpy(layer.kernel), rtol=1e-5, atol=1e-7)
+
+
+def test_cd_k_mixes_k_times(rng):
+    x = _capsules(rng, 3, 5, 2)
+    layer = _experts(5, 2, 2, 3)
+    _, negatives, _ = layer.cd_gradients(x, steps=3)
+    expected, _ = energy.mix(x, layer.kernel, layer.coefficients(x), steps=3)
+    np.testing.assert_allclose(ops.convert_to_numpy(negatives), ops.convert_to_numpy(expected), rtol=1e-5)
+
+
+def test_clamped_decoder_rule_matches_section_4_1(rng):
+    """dU = 2 e (f(z_data) x^T - f(z~) x~^T) with z_data = unsquash(lower data)."""
+    upper, lower = _capsules(rng, 3, 2, 4), _capsules(rng, 3, 5, 3)
+    decoder = _experts(2, 4, 5, 3, normalize="children")
+    grads, _, _ = decoder.cd_gradients(upper, hidden=lower)
+    e = ops.convert_to_numpy(decoder.coefficients(upper)).astype("float64")
+    u = ops.convert_to_numpy(decoder.kernel).astype("float64")
+    z_data = ops.convert_to_numpy(unsquash(lower.astype("float64")))
+    x_neg, z_neg = (ops.convert_to_numpy(t) for t in energy.mix(upper.astype("float64"), u, e))
+    f = lambda z: z / (1 + np.sum(z * z, -1, keepdims=True))
+    expected = 2 * (np.einsum("bji,bio,bje->jioe", e, f(z_data), upper)
+                    - np.einsum("bji,bio,bje->jioe", e, f(z_neg), x_neg)) / 3
+    np.testing.assert_allclose(ops.convert_to_numpy(grads[0]), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_rbm_cd_gradient_equals_autodiff(rng):
+    v = rng.uniform(size=(5, 7)).astype("float32")
+    rbm = BernoulliRBM(4, seed=1)
+    rbm.build((None, 7))
+    rbm.kernel.assign(rng.normal(size=(7, 4)).astype("float32"))
+    grads, negatives, _ = rbm.cd_gradients(v)
+    with tf.GradientTape() as tape:
+        objective = tf.reduce_mean(rbm.free_energy(v) - rbm.free_energy(tf.stop_gradient(negatives)))
+    auto = tape.gradient(objective, rbm.trainable_weights)
+    for closed, a in zip(grads, auto):
+        np.testing.assert_allclose(ops.convert_to_numpy(closed), -a.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_cd_trainer_fit_lowers_free_energy_of_data(rng):
+    x = _capsules(rng, 64, 6, 3)
+    layer = _experts(6, 3, 3, 4)
+    before = float(ops.mean(layer.free_energy(x)))
+    trainer = CDTrainer(layer, l2=0.0, heldout=x[:8])
+    trainer.compile(optimizer=default_optimizer(0.05, 10))
+    history = trainer.fit(x, epochs=3, batch_size=16, verbose=0,
+                          callbacks=[FreeEnergyGap(x[8:16], trainer.heldout)])
+    assert float(ops.mean(layer.free_energy(x))) < before
+    assert set(history.history) >= {"reconstruction_error", "p_on", "free_energy", "free_energy_gap"}
+
+
+def test_persistent_chains_are_kept_between_steps(rng):
+    x = _capsules(rng, 32, 6, 3)
+    layer = _experts(6, 3, 2, 4)
+    trainer = CDTrainer(layer, persistent=True, chain_shape=(8, 6, 3), seed=3)
+    trainer.compile(optimizer=default_optimizer(0.05, 10))
+    start = ops.convert_to_numpy(trainer.chain).copy()
+    trainer.fit(x, epochs=1, batch_size=8, verbose=0)
+    assert not np.allclose(start, ops.convert_to_numpy(trainer.chain))
+
+
+def test_rbm_trainer_learns(rng):
+    v = (rng.uniform(size=(256, 16)) < np.linspace(0.05, 0.95, 16)).astype("float32")
+    rbm = BernoulliRBM(6, seed=0)
+    trainer = CDTrainer(rbm, l2=0.0, seed=0)
+    trainer.compile(optimizer=default_optimizer(0.1, 100))
+    history = trainer.fit(v, epochs=5, batch_size=32, verbose=0)
+    errors = history.history["reconstruction_error"]
+    assert errors[-1] < errors[0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"steps": 0}, "steps=0"), ({"l2": -1.0}, "l2=-1.0"), ({"persistent": True}, "chain_shape=None")])
+def test_cd_trainer_invalid_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CDTrainer(BernoulliRBM(2), **kwargs)
+
+
+def test_default_optimizer_rejects_non_positive_learning_rate():
+    with pytest.raises(ValueError, match="learning_rate=-0.1"):
+        default_optimizer(-0.1)
+
+
+def test_autoencoder_trainer_reduces_reconstruction_error(rng):
+    images = np.zeros((32, 14, 14, 1), "float32")
+    images[:, 4:10, 4:10] = 1.0
+    trainer = AutoencoderTrainer(ConvAutoencoder(filters=4, kernel_size=3, dropout=0.0, seed=0))
+    trainer.compile(optimizer=keras.optimizers.Adam(0.01))
+    history = trainer.fit(images, epochs=8, batch_size=16, verbose=0)
+    assert history.history["mse"][-1] < history.history["mse"][0]

@@ -1,0 +1,1 @@
+"""Keras Models whose `train_step` trains something."""

@@ -1,0 +1,55 @@
+"""Trainer of the convolutional autoencoder front end (backprop)."""
+
+import keras
+from keras import ops
+
+
+class AutoencoderTrainer(keras.Model):
+    """Trains a `ConvAutoencoder` to reconstruct images (Hauser section 4.1).
+
+    Loss: binary cross-entropy between images in [0, 1] and the sigmoid
+    reconstruction (dropout on in training); metric `mse` is the pixel mean
+    squared error.
+
+    Args:
+        autoencoder: a `poecaps.layers.ConvAutoencoder`.
+    """
+
+    def __init__(self, autoencoder, **kwargs):
+        super().__init__(**kwargs)
+        self.autoencoder = autoencoder
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mse_tracker = keras.metrics.Mean(name="mse")
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mse_tracker]
+
+    def call(self, images, training=False):
+        return self.autoencoder(images, training=training)
+
+    def _reconstruction_losses(self, images, training):
+        reconstruction = self.autoencoder(images, training=training)
+        loss = ops.mean(keras.losses.binary_crossentropy(
+            ops.reshape(images, (ops.shape(images)[0], -1)),
+            ops.reshape(reconstruction, (ops.shape(images)[0], -1))))
+        return loss, ops.mean(ops.square(images - reconstruction))
+
+    def _report(self, loss, mse):
+        self.loss_tracker.update_state(loss)
+        self.mse_tracker.update_state(mse)
+        return {"loss": self.loss_tracker.result(), "mse": self.mse_tracker.result()}
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        images = data[0] if isinstance(data, (tuple, list)) else data
+        with tf.GradientTape() as tape:
+            loss, mse = self._reconstruction_losses(images, training=True)
+        weights = self.autoencoder.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        return self._report(loss, mse)
+
+    def test_step(self, data):
+        images = data[0] if isinstance(data, (tuple, list)) else data
+        return self._report(*self._reconstruction_losses(images, training=False))

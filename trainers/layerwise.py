@@ -1,0 +1,265 @@
+"""Layer-wise training of the products of expert capsules (Hauser Figure 1).
+
+Stages, in order: the conv autoencoder front end (backprop), the capsule
+encoder W (CD, Algorithm 1), the capsule decoder U (mirror-image CD,
+section 4.1), and the Bernoulli RBM baseline on the same data and budget.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import keras
+import numpy as np
+
+from poecaps import data as data_lib
+from poecaps import figures
+from poecaps.experts import CapsuleExperts
+from poecaps.layers import ConvAutoencoder
+from poecaps.rbm import BernoulliRBM
+from poecaps.routing import DynamicRouting
+from poecaps.runs import CapsulePipeline, RunDir, batched, build_layer, load_layer, save_layer
+from trainers.autoencoder import AutoencoderTrainer
+from trainers.cd import CDTrainer, FreeEnergyGap, default_optimizer
+
+STAGES = ("autoencoder", "encoder", "decoder", "rbm")
+# Settings that fix the data or a component's shape: a resumed run must keep them.
+ARCHITECTURE = ("dataset", "limit", "seed", "filters", "kernel_size", "strides", "capsule_dim",
+                "num_capsules", "upper_dim", "rbm_hidden")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerwiseConfig:
+    """Every setting of a layer-wise run (the paper's sizes by default)."""
+
+    dataset: str = "fashion_mnist"
+    data_dir: str | None = None
+    seed: int = 0
+    limit: int | None = None          # use only this many training images
+    batch_size: int = 128
+    heldout_size: int = 256           # test images for the free-energy gap
+    # front end (section 4.1)
+    filters: int = 128
+    kernel_size: int = 9
+    strides: int = 2
+    dropout: float = 0.1
+    ae_epochs: int = 1
+    ae_learning_rate: float = 1e-3
+    capsule_dim: int = 8
+    # capsule encoder / decoder (Algorithm 1)
+    num_capsules: int = 20
+    upper_dim: int = 16
+    routing_iterations: int = 3
+    agreement: str = "cosine"
+    center_code: bool = False         # subtract the mean code before forming capsules
+    normalize: str = "parents"        # encoder coefficients: sum over parents (Sabour) or children (eq. 3)
+    encoder_epochs: int = 5
+    decoder_epochs: int = 5
+    cd_learning_rate: float = 0.01
+    decoder_learning_rate: float = 1.0
+    decay_rate: float = 0.9           # learning rate multiplied by this every epoch
+    momentum: float = 0.9
+    l2: float = 1e-4
+    cd_steps: int = 1
+    persistent: bool = False
+    decoder_init: str = "encoder_transpose"   # or "random"
+    decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
+    jit_cd: bool = True
+    # baseline
+    rbm_hidden: int = 20
+    rbm_learning_rate: float = 0.05
+
+    def __post_init__(self):
+        if self.dataset not in data_lib.DATASETS:
+            raise ValueError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
+        for name in ("batch_size", "num_capsules", "upper_dim", "capsule_dim", "cd_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
+        for name in ("ae_learning_rate", "cd_learning_rate", "decoder_learning_rate",
+                     "rbm_learning_rate"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive. Received: {name}={getattr(self, name)}")
+        if self.decoder_rule not in ("clamped", "mirror"):
+            raise ValueError(f"decoder_rule must be 'clamped' or 'mirror'. "
+                             f"Received: decoder_rule={self.decoder_rule!r}")
+        if self.decoder_init not in ("encoder_transpose", "random"):
+            raise ValueError(f"decoder_init must be 'encoder_transpose' or 'random'. "
+                             f"Received: decoder_init={self.decoder_init!r}")
+
+
+def load_images(config, split):
+    """Images float32 `[N, H, W, C]` and labels, shuffled with the seed (train) and limited."""
+    images, labels, source = data_lib.load_arrays(config.dataset, split, config.data_dir)
+    if split == "train":
+        order = np.random.default_rng(config.seed).permutation(len(images))
+        if config.limit:
+            order = order[:config.limit]
+        images, labels = images[order], labels[order]
+    if len(images) == 0:
+        raise ValueError(f"The {split} split of {config.dataset} is empty.")
+    return data_lib.to_float(images), labels, source
+
+
+class _MetricsLog(keras.callbacks.Callback):
+    def __init__(self, run, stage):
+        super().__init__()
+        self.run, self.stage = run, stage
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.run.append_metrics({"stage": self.stage, "epoch": epoch,
+                                 **{k: float(v) for k, v in (logs or {}).items()}})
+
+
+def _fit(trainer, x, config, run, stage, epochs, validation_data=None, verbose="auto", y=None):
+    trainer(x[:2])  # build, so that a backup can be restored into it
+    trainer.optimizer.build(trainer.trainable_variables)
+    callbacks = []
+    if isinstance(trainer, CDTrainer) and trainer.heldout is not None:
+        callbacks.append(FreeEnergyGap(x[:len(trainer.heldout)], trainer.heldout))
+    callbacks += [
+        keras.callbacks.BackupAndRestore(os.path.join(run.checkpoints, stage)),
+        keras.callbacks.TensorBoard(os.path.join(run.logs, stage), write_graph=False),
+        _MetricsLog(run, stage),
+    ]
+    trainer.fit(x, y, epochs=epochs, batch_size=config.batch_size, shuffle=True,
+                validation_data=validation_data, callbacks=callbacks, verbose=verbose)
+
+
+def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, seed):
+    routing = DynamicRouting(iterations, agreement=agreement, normalize=normalize)
+    return CapsuleExperts(num_capsules, capsule_dim, routing=routing,
+                          kernel_initializer=keras.initializers.RandomNormal(stddev=0.01, seed=seed))
+
+
+def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate):
+    trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
+                        chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
+                        l2=config.l2, heldout=heldout, seed=config.seed)
+    trainer.compile(optimizer=default_optimizer(learning_rate, steps_per_epoch, config.decay_rate,
+                                                config.momentum),
+                    jit_compile=config.jit_cd)
+    return trainer
+
+
+def train_stage(stage, config, run, train, test):
+    """Train one stage and save its component under `run/models`."""
+    images, test_images = train, test
+    steps = int(np.ceil(len(images) / config.batch_size))
+    heldout_images = test_images[:config.heldout_size]
+    if stage == "autoencoder":
+        ae = build_layer(ConvAutoencoder(config.filters, config.kernel_size, config.strides,
+                                         config.dropout, seed=config.seed), images.shape[1:])
+        trainer = AutoencoderTrainer(ae)
+        trainer.compile(optimizer=keras.optimizers.Adam(config.ae_learning_rate))
+        _fit(trainer, images, config, run, stage, config.ae_epochs, validation_data=(heldout_images,))
+        save_layer(ae, os.path.join(run.models, "autoencoder.npz"))
+        figures.filters(keras.ops.convert_to_numpy(ae.kernel1), run.file("filters.png"))
+        return
+    pipeline = CapsulePipeline.load(run.models, config.capsule_dim)
+    if stage == "encoder":
+        code_mean_path = os.path.join(run.models, "code_mean.npy")
+        if os.path.exists(code_mean_path):
+            os.remove(code_mean_path)
+        pipeline.code_mean = None
+        if config.center_code:
+            pipeline.code_mean = np.mean(batched(pipeline.autoencoder.encode, images), axis=0)
+            np.save(code_mean_path, pipeline.code_mean)
+    print("Computing lower capsules of the training images ...", flush=True)
+    lower = batched(pipeline.lower_capsules, images)
+    heldout_lower = batched(pipeline.lower_capsules, heldout_images)
+    if stage == "encoder":
+        encoder = build_layer(_capsule_model(config.num_capsules, config.upper_dim,
+                                             config.routing_iterations, config.agreement,
+                                             config.normalize, config.seed), lower.shape[1:])
+        trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate)
+        _fit(trainer, lower, config, run, stage, config.encoder_epochs)
+        save_layer(encoder, os.path.join(run.models, "encoder.npz"))
+    elif stage == "decoder":
+        upper = batched(pipeline.upper_capsules, lower)
+        directions = np.mean(upper / (np.linalg.norm(upper, axis=-1, keepdims=True) + 1e-8), axis=0)
+        directions /= np.linalg.norm(directions, axis=-1, keepdims=True) + 1e-8
+        # Each lower capsule's coefficients sum to one over the upper capsules,
+        # as the encoder's do ("children" of the decoder are the upper capsules).
+        decoder = build_layer(_capsule_model(lower.shape[1], lower.shape[2],
+                                             config.routing_iterations, config.agreement,
+                                             "children", config.seed + 1), upper.shape[1:])
+        if config.decoder_init == "encoder_transpose":
+            decoder.kernel.assign(keras.ops.transpose(pipeline.encoder.kernel, (1, 0, 3, 2)))
+        heldout_upper = batched(pipeline.upper_capsules, heldout_lower)
+        trainer = _cd_trainer(decoder, config, steps, heldout_upper, config.decoder_learning_rate)
+        targets = lower if config.decoder_rule == "clamped" else None
+        _fit(trainer, upper, config, run, stage, config.decoder_epochs, y=targets)
+        save_layer(decoder, os.path.join(run.models, "decoder.npz"))
+        np.save(os.path.join(run.models, "mean_directions.npy"), directions.astype("float32"))
+    else:
+        raise ValueError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
+
+
+def train_rbm(config, run, train, test):
+    """The Bernoulli RBM baseline: same pixels, batch size and epochs as the capsule encoder."""
+    flat = train.reshape(len(train), -1)
+    heldout = test[:config.heldout_size].reshape(-1, flat.shape[1])
+    rbm = build_layer(BernoulliRBM(config.rbm_hidden, seed=config.seed), flat.shape[1:])
+    trainer = CDTrainer(rbm, steps=config.cd_steps, l2=config.l2, heldout=heldout, seed=config.seed)
+    trainer.compile(optimizer=default_optimizer(config.rbm_learning_rate,
+                                                int(np.ceil(len(flat) / config.batch_size)),
+                                                config.decay_rate, config.momentum))
+    _fit(trainer, flat, config, run, "rbm", config.encoder_epochs)
+    save_layer(rbm, os.path.join(run.models, "rbm.npz"))
+
+
+def train_layerwise(config, run_dir, stages=STAGES, resume=False):
+    """Train `stages` in order into `run_dir`; returns `{stage: seconds}`.
+
+    With `resume`, finished stages are skipped and an interrupted stage goes
+    on from its last epoch backup; without it, an existing run's state is
+    discarded.
+    """
+    keras.utils.set_random_seed(config.seed)
+    run = RunDir(run_dir)
+    state = run.read_json("state.json", {}) if resume else {}
+    if resume and state.get("config"):
+        changed = [k for k in ARCHITECTURE if state["config"].get(k) != getattr(config, k)]
+        if changed:
+            raise ValueError(
+                f"{run_dir} was trained with other {', '.join(changed)} "
+                f"(was {[state['config'].get(k) for k in changed]}); resume it "
+                "with the same values or use a new --run-dir.")
+    if not resume:
+        for name in os.listdir(run.checkpoints):
+            shutil.rmtree(os.path.join(run.checkpoints, name), ignore_errors=True)
+        if os.path.exists(run.file("metrics.jsonl")):
+            os.remove(run.file("metrics.jsonl"))
+    state["config"] = dataclasses.asdict(config)
+    state.setdefault("stages", {})
+    run.write_json("config.json", dataclasses.asdict(config))
+    train, _, source = load_images(config, "train")
+    test, _, _ = load_images(config, "test")
+    print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
+    timings = {}
+    for stage in stages:
+        if stage not in STAGES:
+            raise ValueError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
+        if resume and stage in state["stages"]:
+            print(f"[{stage}] already trained ({state['stages'][stage]['seconds']:.0f} s); skipping")
+            continue
+        print(f"[{stage}] training ...", flush=True)
+        start = time.perf_counter()
+        if stage == "rbm":
+            train_rbm(config, run, train, test)
+        else:
+            train_stage(stage, config, run, train, test)
+        seconds = time.perf_counter() - start
+        timings[stage] = seconds
+        state["stages"][stage] = {"seconds": seconds}
+        run.write_json("state.json", state)
+        print(f"[{stage}] done in {seconds:.1f} s", flush=True)
+    if os.path.exists(run.file("metrics.jsonl")):
+        figures.training_curves(run.file("metrics.jsonl"), run.file("training_curves.png"))
+    print(json.dumps({"stage_seconds": {k: round(v["seconds"], 1) for k, v in state["stages"].items()}}))
+    return timings
+
+
+__all__ = ["STAGES", "LayerwiseConfig", "load_images", "load_layer", "train_layerwise"]
