@@ -1,0 +1,79 @@
+"""The command-line scripts end to end on real digits (small sizes)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, *args):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args],
+                            capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("script", ["train_layerwise.py", "sample.py", "evaluate.py"])
+def test_help(script):
+    out = _run(script, "--help")
+    for flag in ("--seed", "--run-dir", "--resume"):
+        assert flag in out
+    if script == "train_layerwise.py":
+        assert "--dataset" in out and "--data-dir" in out and "--stage" in out
+
+
+@pytest.mark.slow
+def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
+    run = str(tmp_path / "run")
+    common = ["--dataset", "mnist", "--data-dir", mnist_dir, "--run-dir", run, "--seed", "3",
+              "--limit", "256", "--batch-size", "64", "--heldout-size", "64", "--filters", "16",
+              "--num-capsules", "4", "--upper-dim", "4", "--ae-epochs", "1",
+              "--encoder-epochs", "1", "--decoder-epochs", "1", "--jit-cd", "false",
+              "--center-code", "true", "--cd-learning-rate", "0.1"]
+    out = _run("train_layerwise.py", *common)
+    assert "[decoder] done" in out and "stage_seconds" in out
+    for name in ("config.json", "metrics.jsonl", "filters.png", "training_curves.png",
+                 "models/autoencoder.npz", "models/encoder.npz", "models/decoder.npz",
+                 "models/rbm.npz", "models/code_mean.npy", "models/mean_directions.npy"):
+        assert os.path.exists(os.path.join(run, name)), name
+    resumed = _run("train_layerwise.py", *common, "--resume")
+    assert resumed.count("already trained") == 4
+
+    _run("sample.py", "--run-dir", run, "--rows", "3", "--restricted")
+    with np.load(os.path.join(run, "samples.npz")) as samples:
+        images = samples["images"]
+    assert images.shape == (3, 4, 28, 28, 1)
+    assert 0.0 <= images.min() and images.max() <= 1.0
+    assert os.path.exists(os.path.join(run, "samples.png"))
+
+    out = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1")
+    result = json.loads(out[out.index("{"):])
+    with open(os.path.join(run, "eval.json")) as handle:
+        assert json.load(handle) == result
+    for key in ("reconstruction_mse", "probe_accuracy_vectors", "probe_accuracy_lengths",
+                "samples_full", "samples_restricted"):
+        assert key in result["poecaps"]
+    assert 0.0 <= result["poecaps"]["samples_full"]["mean_purity"] <= 1.0
+    assert 1 <= result["poecaps"]["samples_full"]["classes_covered"] <= 4
+    assert result["rbm"]["hidden_units"] == 20
+    assert os.path.exists(os.path.join(run, "reconstructions.png"))
+
+
+def test_resume_refuses_a_different_architecture(tmp_path, mnist_dir):
+    run = str(tmp_path / "run")
+    os.makedirs(run)
+    with open(os.path.join(run, "state.json"), "w") as handle:
+        json.dump({"config": {"dataset": "mnist", "num_capsules": 7}, "stages": {}}, handle)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "train_layerwise.py"), "--dataset", "mnist",
+         "--data-dir", mnist_dir, "--run-dir", run, "--resume", "--stage", "encoder"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert result.returncode != 0
+    assert "num_capsules" in result.stderr
