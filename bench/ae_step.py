@@ -14,13 +14,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import best_seconds, dense_matmul_flops_per_s  # noqa: E402
+import keras
+import numpy as np
+from common import best_seconds, dense_matmul_flops_per_s
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from poecaps.layers import ConvAutoencoder  # noqa: E402
-from trainers.autoencoder import AutoencoderTrainer  # noqa: E402
+from poecaps.layers import ConvAutoencoder
+from trainers.autoencoder import AutoencoderTrainer
 
 
 def reference_model(shape, filters=128, kernel=9):
@@ -61,7 +60,7 @@ def main():
         trainer.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=jit)
         trainer.make_train_function()
         trainer(images[:1])
-        step = lambda t=trainer: t.train_on_batch(images)  # noqa: E731
+        step = lambda t=trainer: t.train_on_batch(images)
         results[jit] = best_seconds(step, warmup=2, repeats=args.repeats)
         print(f"poecaps   jit_compile={jit!s:5}: {results[jit] * 1e3:7.1f} ms/step  "
               f"{args.batch / results[jit]:6.1f} images/s  {flops / results[jit] / 1e9:5.1f} GFLOP/s",

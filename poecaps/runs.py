@@ -84,7 +84,9 @@ class CapsulePipeline:
         return self.encoder.capsule_dim
 
     def lower_capsules(self, images):
-        code = self.autoencoder.encode(images)
+        return self.capsules_from_code(self.autoencoder.encode(images))
+
+    def capsules_from_code(self, code):
         if self.code_mean is not None:
             code = code - self.code_mean
         return squash(primary_capsules(code, self.capsule_dim))

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(script, *args):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args],
-                            capture_output=True, text=True, env=env, timeout=900)
+                            check=False, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -73,7 +73,7 @@ def test_resume_refuses_a_different_architecture(tmp_path, mnist_dir):
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "train_layerwise.py"), "--dataset", "mnist",
          "--data-dir", mnist_dir, "--run-dir", run, "--resume", "--stage", "encoder"],
-        capture_output=True, text=True, timeout=300,
+        check=False, capture_output=True, text=True, timeout=300,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.returncode != 0
     assert "num_capsules" in result.stderr

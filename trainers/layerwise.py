@@ -158,16 +158,18 @@ def train_stage(stage, config, run, train, test):
         figures.filters(keras.ops.convert_to_numpy(ae.kernel1), run.file("filters.png"))
         return
     pipeline = CapsulePipeline.load(run.models, config.capsule_dim)
+    print("Computing lower capsules of the training images ...", flush=True)
+    codes = batched(pipeline.autoencoder.encode, images)
     if stage == "encoder":
         code_mean_path = os.path.join(run.models, "code_mean.npy")
         if os.path.exists(code_mean_path):
             os.remove(code_mean_path)
         pipeline.code_mean = None
         if config.center_code:
-            pipeline.code_mean = np.mean(batched(pipeline.autoencoder.encode, images), axis=0)
+            pipeline.code_mean = codes.mean(axis=0)
             np.save(code_mean_path, pipeline.code_mean)
-    print("Computing lower capsules of the training images ...", flush=True)
-    lower = batched(pipeline.lower_capsules, images)
+    lower = batched(pipeline.capsules_from_code, codes)
+    del codes
     heldout_lower = batched(pipeline.lower_capsules, heldout_images)
     if stage == "encoder":
         encoder = build_layer(_capsule_model(config.num_capsules, config.upper_dim,
