@@ -23,7 +23,7 @@ def add_config_flags(parser, config_cls):
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                             type=_parse_bool if kind is bool else kind, default=field.default,
-                            help=f"(default: {field.default})")
+                            help=field.metadata.get("help", ""))
 
 
 def config_from_args(config_cls, args):

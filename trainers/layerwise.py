@@ -53,11 +53,11 @@ class LayerwiseConfig:
     upper_dim: int = 16
     routing_iterations: int = 3
     agreement: str = "cosine"
-    center_code: bool = False         # subtract the mean code before forming capsules
+    center_code: bool = True          # subtract the mean code before forming capsules
     normalize: str = "parents"        # encoder coefficients: sum over parents (Sabour) or children (eq. 3)
-    encoder_epochs: int = 5
-    decoder_epochs: int = 5
-    cd_learning_rate: float = 0.01
+    encoder_epochs: int = 3
+    decoder_epochs: int = 3
+    cd_learning_rate: float = 0.1
     decoder_learning_rate: float = 1.0
     decay_rate: float = 0.9           # learning rate multiplied by this every epoch
     momentum: float = 0.9
