@@ -19,7 +19,7 @@ def _run(script, *args):
     return result.stdout
 
 
-@pytest.mark.parametrize("script", ["train_layerwise.py", "sample.py", "evaluate.py"])
+@pytest.mark.parametrize("script", ["train_layerwise.py", "sample.py", "evaluate.py", "baseline.py"])
 def test_help(script):
     out = _run(script, "--help")
     for flag in ("--seed", "--run-dir", "--resume"):
@@ -77,3 +77,24 @@ def test_resume_refuses_a_different_architecture(tmp_path, mnist_dir):
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     assert result.returncode != 0
     assert "num_capsules" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["capsnet", "em"])
+def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, model):
+    run = str(tmp_path / model)
+    common = ["--model", model, "--dataset", "mnist", "--data-dir", mnist_dir, "--run-dir", run,
+              "--seed", "1", "--limit", "64", "--batch-size", "32", "--test-limit", "64"]
+    _run("baseline.py", *common, "--epochs", "1")
+    out = _run("baseline.py", *common, "--epochs", "2", "--resume")
+    result = json.loads(out[out.index("{\n"):])
+    with open(os.path.join(run, "eval.json")) as handle:
+        assert json.load(handle)["test_accuracy"] == result["test_accuracy"]
+    assert result["train"]["epochs_this_call"] == 1          # the first epoch was not redone
+    assert set(result["rotation_accuracy"]) == {"0", "45", "90", "135", "180"}
+    assert 0.0 <= result["affine_accuracy"] <= 1.0
+    assert 0.0 <= result["routing"]["coefficient_entropy_over_log_j"] <= 1.0 + 1e-6
+    with open(os.path.join(run, "metrics.jsonl")) as handle:
+        assert [json.loads(line)["epoch"] for line in handle] == [0, 1]
+    expected = {"capsnet": "perturbations_0.png", "em": "affine_examples.png"}[model]
+    assert os.path.exists(os.path.join(run, expected))

@@ -5,6 +5,47 @@ from keras import ops
 
 from poecaps import routing as routing_lib
 
+POSES = ("vector", "matrix")
+
+
+def pose_size(capsule_dim, pose):
+    """Side P of a matrix pose (`capsule_dim = P * P`); checks the pose kind."""
+    if pose not in POSES:
+        raise ValueError(f"pose must be one of {POSES}. Received: pose={pose!r}")
+    side = round(capsule_dim ** 0.5)
+    if pose == "matrix" and side * side != capsule_dim:
+        raise ValueError(
+            f"matrix poses need a square capsule_dim (16 for 4x4). Received: capsule_dim={capsule_dim}")
+    return side
+
+
+def kernel_shape(num_in, num_out, out_dim, in_dim, pose):
+    """Shape of the transformation matrices: `[I, J, D_out, D_in]` or `[I, J, P, P]`."""
+    if pose == "matrix":
+        if in_dim != out_dim:
+            raise ValueError(
+                f"matrix capsules keep their pose size; input capsules have {in_dim} dimensions. "
+                f"Received: capsule_dim={out_dim}")
+        side = pose_size(in_dim, pose)
+        return (num_in, num_out, side, side)
+    return (num_in, num_out, out_dim, in_dim)
+
+
+def capsule_votes(inputs, kernel, pose="vector"):
+    """Votes `u_{j|i}` of lower capsules `[B, I, D_in]` for `J` parents: `[B, I, J, D_out]`.
+
+    Vector poses (Sabour eq. 2): `u_{j|i} = W_ij x_i`. Matrix poses (Hinton
+    et al. 2018): `V_ij = M_i W_ij` with 4x4 (P x P) matrices, flattened.
+    """
+    if pose == "vector":
+        # [B, I, D_in] x [I, J, D_out, D_in] -> [B, I, J, D_out]
+        return ops.einsum("bie,ijoe->bijo", inputs, kernel)
+    side = kernel.shape[-1]
+    matrices = ops.reshape(inputs, (-1, inputs.shape[1], side, side))
+    # [B, I, P, P] x [I, J, P, P] -> [B, I, J, P, P]
+    votes = ops.einsum("bipq,ijqr->bijpr", matrices, kernel)
+    return ops.reshape(votes, (-1, inputs.shape[1], kernel.shape[1], side * side))
+
 
 @keras.saving.register_keras_serializable(package="poecaps")
 class CapsuleDense(keras.layers.Layer):
@@ -19,8 +60,11 @@ class CapsuleDense(keras.layers.Layer):
         num_capsules: J, number of upper capsules (> 0).
         capsule_dim: D_out, dimension of each upper capsule (> 0).
         routing: routing name, config dict or `Routing` instance.
-        kernel_initializer: initializer of W; Hauser uses N(0, 0.01).
+        kernel_initializer: initializer of W; Hauser uses N(0, 0.01) (the
+            default for vector poses; N(0, 0.5) for matrix poses).
         kernel_regularizer: optional regularizer of W.
+        pose: "vector" (`W_ij` is D_out x D_in) or "matrix" (4x4 pose
+            matrices flattened to 16-D, `V_ij = M_i W_ij`, Hinton et al.).
 
     Call arguments:
         inputs: `[B, I, D_in]` lower capsules.
@@ -37,16 +81,19 @@ class CapsuleDense(keras.layers.Layer):
     """
 
     def __init__(self, num_capsules, capsule_dim, routing="dynamic",
-                 kernel_initializer=None, kernel_regularizer=None, **kwargs):
+                 kernel_initializer=None, kernel_regularizer=None, pose="vector", **kwargs):
         super().__init__(**kwargs)
         for name, value in (("num_capsules", num_capsules), ("capsule_dim", capsule_dim)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
         self.num_capsules = num_capsules
         self.capsule_dim = capsule_dim
+        pose_size(capsule_dim, pose)
+        self.pose = pose
         self.routing = routing_lib.get(routing)
         self.kernel_initializer = keras.initializers.get(
-            kernel_initializer or keras.initializers.RandomNormal(stddev=0.01))
+            kernel_initializer
+            or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
 
     def build(self, input_shape):
@@ -56,15 +103,21 @@ class CapsuleDense(keras.layers.Layer):
                 f"Received: input_shape={input_shape}")
         _, num_in, in_dim = input_shape
         self.kernel = self.add_weight(
-            name="kernel", shape=(num_in, self.num_capsules, self.capsule_dim, in_dim),
+            name="kernel", shape=kernel_shape(num_in, self.num_capsules, self.capsule_dim, in_dim,
+                                              self.pose),
             initializer=self.kernel_initializer, regularizer=self.kernel_regularizer)
+        # The routing's own weights (EM's beta_u, beta_a) exist before any call.
+        if not self.routing.built:
+            self.routing.build((None, num_in, self.num_capsules, self.capsule_dim))
 
     def votes(self, inputs):
-        # [B, I, D_in] x [I, J, D_out, D_in] -> [B, I, J, D_out]
-        return ops.einsum("bie,ijoe->bijo", inputs, self.kernel)
+        return capsule_votes(inputs, self.kernel, self.pose)
 
     def route(self, inputs, activations=None, training=None):
-        if hasattr(self.routing, "route_linear"):
+        """The whole `RoutingResult` (poses, activations, coefficients)."""
+        if not self.built:
+            self.build(tuple(inputs.shape))
+        if self.pose == "vector" and hasattr(self.routing, "route_linear"):
             return self.routing.route_linear(inputs, self.kernel, activations)
         return self.routing(self.votes(inputs), activations, training=training)
 
@@ -82,5 +135,6 @@ class CapsuleDense(keras.layers.Layer):
             routing=keras.saving.serialize_keras_object(self.routing),
             kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
             kernel_regularizer=keras.regularizers.serialize(self.kernel_regularizer),
+            pose=self.pose,
         )
         return config

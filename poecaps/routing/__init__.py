@@ -2,18 +2,20 @@
 
 `get(name_or_instance, **kwargs)` resolves `"dynamic"` (alias `"sabour"`),
 `"cosine"` (dynamic routing with cosine agreement, Hauser), a config dict,
-or a `Routing` instance.
+`"em"` (EM routing of matrix capsules), or a `Routing` instance.
 """
 
 import keras
 
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.routing.dynamic import DynamicRouting
+from poecaps.routing.em import EMRouting
 
 _REGISTRY = {
     "dynamic": lambda **kw: DynamicRouting(**kw),
     "sabour": lambda **kw: DynamicRouting(**{"agreement": "dot", **kw}),
     "cosine": lambda **kw: DynamicRouting(**{"agreement": "cosine", **kw}),
+    "em": lambda **kw: EMRouting(**kw),
 }
 
 
@@ -31,4 +33,4 @@ def get(identifier, **kwargs):
     )
 
 
-__all__ = ["DynamicRouting", "Routing", "RoutingResult", "get"]
+__all__ = ["DynamicRouting", "EMRouting", "Routing", "RoutingResult", "get"]

@@ -1,0 +1,131 @@
+"""Evaluate a supervised baseline run: accuracy, robustness, routing statistics, figures."""
+
+import dataclasses
+import os
+
+import keras
+import numpy as np
+
+from poecaps import figures, transforms
+from poecaps.runs import RunDir
+
+ROTATIONS = (0, 45, 90, 135, 180)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineEvaluationConfig:
+    """Settings of `scripts/baseline.py --evaluate-only` and of the evaluation after training."""
+
+    seed: int = 0
+    batch_size: int = 256
+    perturb_examples: int = 3      # test images for the Sabour Figure 4 perturbation plot
+    test_limit: int | None = None  # evaluate on only this many test images
+
+
+def _predict(model, images, batch_size):
+    scores, coefficients = [], []
+    for start in range(0, len(images), batch_size):
+        out = model(images[start:start + batch_size], training=False)
+        scores.append(keras.ops.convert_to_numpy(out["scores"]))
+        coefficients.append(keras.ops.convert_to_numpy(out["coefficients"]))
+    return np.concatenate(scores), np.concatenate(coefficients)
+
+
+def _accuracy(model, images, labels, batch_size):
+    scores = np.concatenate([keras.ops.convert_to_numpy(model(images[s:s + batch_size])["scores"])
+                             for s in range(0, len(images), batch_size)])
+    return float(np.mean(np.argmax(scores, axis=-1) == labels))
+
+
+def _transformed(fn, images, batch_size):
+    return np.concatenate([keras.ops.convert_to_numpy(fn(images[s:s + batch_size]))
+                           for s in range(0, len(images), batch_size)])
+
+
+def coefficient_entropy(coefficients):
+    """Mean over examples and lower capsules of `-sum_j c_ij log c_ij`, and that over log J."""
+    c = np.clip(coefficients, 1e-12, 1.0)
+    entropy = float(np.mean(-np.sum(c * np.log(c), axis=-1)))
+    return entropy, entropy / float(np.log(coefficients.shape[-1]))
+
+
+def hoyer_sparsity(scores):
+    """Mean Hoyer sparsity of score vectors: 0 for all equal, 1 for one non-zero entry."""
+    n = scores.shape[-1]
+    l1 = np.sum(np.abs(scores), axis=-1)
+    l2 = np.sqrt(np.sum(np.square(scores), axis=-1)) + 1e-12
+    return float(np.mean((np.sqrt(n) - l1 / l2) / (np.sqrt(n) - 1)))
+
+
+def _figures(model, run, images, labels, config):
+    out = model(images[:12], training=False)
+    if "reconstruction" not in out:
+        return []
+    recon = keras.ops.convert_to_numpy(out["reconstruction"])
+    figures.image_grid(np.stack([images[:12], recon]), run.file("reconstructions.png"),
+                       title="test images (top) and reconstructions from the longest class capsule",
+                       row_labels=["data", "capsnet"])
+    steps = np.linspace(-0.25, 0.25, 11).astype("float32")
+    written = [run.file("reconstructions.png")]
+    for k in range(config.perturb_examples):
+        poses = keras.ops.convert_to_numpy(out["poses"][k])             # [K, D]
+        winner = int(np.argmax(keras.ops.convert_to_numpy(out["scores"][k])))
+        dim = poses.shape[-1]
+        batch = np.repeat(poses[None, None], dim * len(steps), axis=0).reshape(
+            dim, len(steps), *poses.shape)
+        for d in range(dim):
+            batch[d, :, winner, d] += steps
+        flat = batch.reshape(-1, *poses.shape)
+        decoded = keras.ops.convert_to_numpy(model.reconstruct(
+            keras.ops.convert_to_tensor(flat), np.full(len(flat), winner)))
+        path = run.file(f"perturbations_{k}.png")
+        figures.image_grid(decoded.reshape(dim, len(steps), *decoded.shape[1:]), path,
+                           title=f"each dimension of capsule {winner} (label {labels[k]}) "
+                                 "perturbed by -0.25..0.25",
+                           column_labels=[f"{s:+.2f}" for s in steps])
+        written.append(path)
+    return written
+
+
+def evaluate_baseline(run_dir, config=BaselineEvaluationConfig()):
+    """Compute and write `run_dir/eval.json`; returns the dict."""
+    from trainers.baselines import BaselineConfig, load_split
+
+    run = RunDir(run_dir)
+    path = os.path.join(run.models, "baseline.keras")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No trained baseline at {path}; train it first with scripts/baseline.py")
+    train_config = BaselineConfig(**run.read_json("config.json"))
+    model = keras.saving.load_model(path)
+    test, labels, _ = load_split(train_config, "test")
+    test, labels = test[:config.test_limit or None], labels[:config.test_limit or None]
+    scores, coefficients = _predict(model, test, config.batch_size)
+    entropy, normalised = coefficient_entropy(coefficients)
+    seed = keras.random.SeedGenerator(config.seed)
+    affine = _transformed(lambda x: transforms.random_affine(x, seed=seed), test, config.batch_size)
+    result = {
+        "model": train_config.model, "dataset": train_config.dataset, "test_images": len(test),
+        "routing_iterations": train_config.iterations,
+        "test_accuracy": float(np.mean(np.argmax(scores, axis=-1) == labels)),
+        "affine_accuracy": _accuracy(model, affine, labels, config.batch_size),
+        "rotation_accuracy": {
+            str(angle): _accuracy(model, _transformed(lambda x, a=angle: transforms.rotate(x, a),
+                                                      test, config.batch_size),
+                                  labels, config.batch_size)
+            for angle in ROTATIONS},
+        "routing": {"coefficient_entropy": entropy, "coefficient_entropy_over_log_j": normalised,
+                    "class_score_hoyer_sparsity": hoyer_sparsity(scores)},
+        "train": run.read_json("state.json", {}),
+    }
+    result["train"].pop("config", None)
+    result["figures"] = _figures(model, run, test, labels, config)
+    figures.image_grid(np.stack([test[:12], affine[:12]]), run.file("affine_examples.png"),
+                       title="test images and their random affine transforms",
+                       row_labels=["data", "affine"])
+    if os.path.exists(run.file("metrics.jsonl")):
+        figures.training_curves(run.file("metrics.jsonl"), run.file("training_curves.png"))
+    run.write_json("eval.json", result)
+    return result
+
+
+__all__ = ["BaselineEvaluationConfig", "evaluate_baseline"]

@@ -1,0 +1,104 @@
+"""EM routing of matrix capsules (Hinton, Sabour, Frosst 2018)."""
+
+import math
+
+import keras
+from keras import ops
+
+from poecaps.routing.base import Routing, RoutingResult
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class EMRouting(Routing):
+    """Routing by expectation-maximisation: each upper capsule is a Gaussian over votes.
+
+    With votes `V [B, I, J, D]` (flattened 4x4 pose matrices) and lower
+    activations `a_i`, the responsibilities start at `R_ij = 1/J` (Gebotys
+    eq. 20) and each of `iterations` rounds runs
+
+        M-step  R'_ij = R_ij a_i                                       (21)
+                mu_j = sum_i R'_ij V_ij / sum_i R'_ij                   (22)
+                var_j = sum_i R'_ij (V_ij - mu_j)^2 / sum_i R'_ij + floor
+                cost_j^h = (beta_u + log sigma_j^h) sum_i R'_ij          (26)
+                a_j = logistic(lambda_t (beta_a - sum_h cost_j^h))       (27)
+        E-step  log p_ij = - sum_h (V_ij^h - mu_j^h)^2 / (2 var_j^h)
+                           - sum_h log sqrt(2 pi var_j^h)                (28)
+                R_ij = a_j p_ij / sum_k a_k p_ik                         (29)
+
+    (no E-step after the last M-step). Everything runs in log space:
+    `log a_j = log_sigmoid(...)` and the normalisation of (29) is a
+    `logsumexp` over j, so no responsibility underflows to 0/0. The inverse
+    temperature rises over the rounds, `lambda_t = final_lambda *
+    (1 - 0.95^(t+1))`. `beta_u` and `beta_a` are learned, one per upper
+    capsule type. Routing runs in float32 under mixed precision.
+
+    Args:
+        iterations: EM rounds (M-steps), >= 1.
+        final_lambda: inverse temperature of the last round.
+        variance_floor: added to every variance.
+
+    Call arguments:
+        votes: `[B, I, J, D]`.
+        activations: `[B, I]` or None (ones).
+
+    Returns:
+        `RoutingResult(poses = mu [B, J, D], activations = a [B, J],
+        coefficients = R [B, I, J])`, R summing to 1 over j.
+
+    Example:
+    >>> routing = EMRouting(iterations=3)
+    >>> routing(keras.random.normal((2, 18, 5, 16))).poses.shape
+    (2, 5, 16)
+    """
+
+    def __init__(self, iterations=3, final_lambda=0.01, variance_floor=1e-4, **kwargs):
+        super().__init__(iterations=iterations, **kwargs)
+        if iterations < 1:
+            raise ValueError(f"EM routing needs at least one M-step. Received: iterations={iterations}")
+        if not final_lambda > 0:
+            raise ValueError(f"final_lambda must be positive. Received: final_lambda={final_lambda}")
+        if not variance_floor > 0:
+            raise ValueError(
+                f"variance_floor must be positive. Received: variance_floor={variance_floor}")
+        self.final_lambda = final_lambda
+        self.variance_floor = variance_floor
+
+    def build(self, votes_shape, activations_shape=None):
+        num_out = votes_shape[2]
+        self.beta_u = self.add_weight(name="beta_u", shape=(num_out,), initializer="zeros")
+        self.beta_a = self.add_weight(name="beta_a", shape=(num_out,), initializer="zeros")
+
+    def inverse_temperature(self, t):
+        return self.final_lambda * (1.0 - 0.95 ** (t + 1))
+
+    def call(self, votes, activations=None, training=None):
+        votes = ops.cast(votes, "float32")
+        num_out, dim = votes.shape[2], votes.shape[3]
+        a_in = (ops.ones_like(votes[:, :, 0, 0]) if activations is None
+                else ops.cast(activations, "float32"))
+        beta_u = ops.cast(self.beta_u, "float32")
+        beta_a = ops.cast(self.beta_a, "float32")
+        r = ops.ones_like(votes[..., 0]) / num_out
+        for t in range(self.iterations):
+            # M-step. [B, I, J] x [B, I, J, D] -> [B, J, D]
+            rw = r * a_in[:, :, None]
+            r_sum = ops.sum(rw, axis=1) + 1e-8                                  # [B, J]
+            mu = ops.einsum("bij,bijd->bjd", rw, votes) / r_sum[..., None]
+            sq_dev = ops.square(votes - mu[:, None])                            # [B, I, J, D]
+            var = ops.einsum("bij,bijd->bjd", rw, sq_dev) / r_sum[..., None] + self.variance_floor
+            log_sigma = 0.5 * ops.log(var)
+            cost = ops.sum(beta_u[:, None] + log_sigma, axis=-1) * r_sum        # [B, J]
+            logit_a = self.inverse_temperature(t) * (beta_a - cost)
+            if t == self.iterations - 1:
+                break
+            # E-step: log-densities of each vote under each Gaussian, normalised over j.
+            log_p = (-0.5 * ops.sum(sq_dev / var[:, None], axis=-1)
+                     - ops.sum(log_sigma, axis=-1)[:, None] - 0.5 * dim * math.log(2 * math.pi))
+            log_ap = ops.log_sigmoid(logit_a)[:, None] + log_p
+            r = ops.exp(log_ap - ops.logsumexp(log_ap, axis=-1, keepdims=True))
+        return RoutingResult(mu, ops.sigmoid(logit_a), r)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(final_lambda=self.final_lambda, variance_floor=self.variance_floor)
+        return config

@@ -1,0 +1,81 @@
+"""Image transforms for training and generalisation tests (batched, per-example draws).
+
+Every function takes images `[B, H, W, C]` in [0, 1] and returns the same
+shape; out-of-image pixels are filled with 0. They are built on
+`keras.ops.image.affine_transform`, whose transform `[a0, a1, a2, b0, b1, b2,
+c0, c1]` maps an output point (x, y) to the input point
+`(a0 x + a1 y + a2, b0 x + b1 y + b2)`.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+
+def _apply(images, matrices, interpolation="bilinear"):
+    """Apply output->input affine maps `[B, 2, 3]` (about the image centre)."""
+    h, w = images.shape[1], images.shape[2]
+    cx, cy = (w - 1) / 2.0, (h - 1) / 2.0
+    a, b = matrices[:, 0], matrices[:, 1]
+    # Conjugate by the translation to the centre: p_in = A (p_out - c) + c + t.
+    a2 = a[:, 2] + cx - a[:, 0] * cx - a[:, 1] * cy
+    b2 = b[:, 2] + cy - b[:, 0] * cx - b[:, 1] * cy
+    zeros = ops.zeros_like(a2)
+    transform = ops.stack([a[:, 0], a[:, 1], a2, b[:, 0], b[:, 1], b2, zeros, zeros], axis=1)
+    out = ops.image.affine_transform(images, transform, interpolation=interpolation,
+                                     fill_mode="constant", fill_value=0.0)
+    return ops.clip(out, 0.0, 1.0)
+
+
+def _matrices(rotation, shear, scale_x, scale_y, tx, ty):
+    """Forward maps (rotate, shear, scale, translate) inverted into output->input maps."""
+    cos, sin = ops.cos(rotation), ops.sin(rotation)
+    # forward F = R @ Sh @ S: [[cos, -sin], [sin, cos]] [[1, s], [0, 1]] [[sx, 0], [0, sy]]
+    f00, f01 = cos * scale_x, (cos * shear - sin) * scale_y
+    f10, f11 = sin * scale_x, (sin * shear + cos) * scale_y
+    det = f00 * f11 - f01 * f10
+    i00, i01, i10, i11 = f11 / det, -f01 / det, -f10 / det, f00 / det
+    # p_in = F^-1 (p_out - t)
+    row0 = ops.stack([i00, i01, -(i00 * tx + i01 * ty)], axis=1)
+    row1 = ops.stack([i10, i11, -(i10 * tx + i11 * ty)], axis=1)
+    return ops.stack([row0, row1], axis=1)
+
+
+def random_shift(images, max_shift=2, seed=None):
+    """Shift each image by a whole number of pixels in [-max_shift, max_shift] (Sabour)."""
+    if max_shift == 0:
+        return images
+    batch = ops.shape(images)[0]
+    shifts = keras.random.randint((batch, 2), -max_shift, max_shift + 1, seed=seed)
+    shifts = ops.cast(shifts, "float32")
+    ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
+    matrices = _matrices(zeros, zeros, ones, ones, shifts[:, 0], shifts[:, 1])
+    return _apply(images, matrices, interpolation="nearest")
+
+
+def rotate(images, degrees):
+    """Rotate every image by `degrees` about its centre."""
+    batch = ops.shape(images)[0]
+    ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
+    angle = ones * (degrees * math.pi / 180.0)
+    return _apply(images, _matrices(angle, zeros, ones, ones, zeros, zeros))
+
+
+def random_affine(images, max_rotation=20.0, max_shear=0.2, scale_range=(0.8, 1.2),
+                  max_translation=0.1, seed=None):
+    """affNIST-like random affine transforms, one per image.
+
+    Rotation uniform in +-max_rotation degrees, shear in +-max_shear,
+    independent x/y scales in `scale_range`, translation up to
+    `max_translation` of the image size.
+    """
+    batch = ops.shape(images)[0]
+    h, w = images.shape[1], images.shape[2]
+    seed = seed if seed is not None else keras.random.SeedGenerator(0)
+    u = lambda low, high: keras.random.uniform((batch,), low, high, seed=seed)
+    rotation = u(-max_rotation, max_rotation) * (math.pi / 180.0)
+    matrices = _matrices(rotation, u(-max_shear, max_shear), u(*scale_range), u(*scale_range),
+                         u(-max_translation, max_translation) * w,
+                         u(-max_translation, max_translation) * h)
+    return _apply(images, matrices)

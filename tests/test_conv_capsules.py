@@ -1,0 +1,156 @@
+"""Matrix votes, convolutional and class capsules, primary matrix capsules, transforms."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps import transforms
+from poecaps.layers import CapsuleDense, ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
+from poecaps.layers.capsule_dense import capsule_votes
+from poecaps.layers.conv_capsules import capsule_patches
+from poecaps.routing import DynamicRouting, EMRouting
+
+
+def test_matrix_votes_are_pose_times_w(rng):
+    poses = rng.normal(size=(2, 3, 16)).astype("float32")
+    kernel = rng.normal(size=(3, 4, 4, 4)).astype("float32")
+    votes = ops.convert_to_numpy(capsule_votes(poses, kernel, "matrix"))
+    for b in range(2):
+        for i in range(3):
+            for j in range(4):
+                expected = poses[b, i].reshape(4, 4) @ kernel[i, j]
+                np.testing.assert_allclose(votes[b, i, j], expected.reshape(16), rtol=1e-5, atol=1e-6)
+
+
+def test_capsule_patches_match_loops(rng):
+    x = rng.normal(size=(2, 7, 6, 3, 5)).astype("float32")
+    patches = ops.convert_to_numpy(capsule_patches(x, 3, 2))
+    assert patches.shape == (2, 3, 2, 27, 5)
+    for r in range(3):
+        for c in range(2):
+            window = x[:, 2 * r:2 * r + 3, 2 * c:2 * c + 3]          # [B, 3, 3, T, D]
+            np.testing.assert_array_equal(patches[:, r, c], window.reshape(2, 27, 5))
+
+
+def test_conv_capsules_equal_routing_each_receptive_field(rng):
+    poses = rng.normal(size=(2, 5, 5, 2, 16)).astype("float32")
+    act = rng.uniform(size=(2, 5, 5, 2)).astype("float32")
+    layer = ConvCapsules(3, 16, kernel_size=3, strides=2, routing=EMRouting(2))
+    result = layer.route(poses, act)
+    assert result.poses.shape == (2, 2, 2, 3, 16)
+    assert result.activations.shape == (2, 2, 2, 3)
+    kernel = ops.convert_to_numpy(layer.kernel)
+    for r in range(2):
+        for c in range(2):
+            window = poses[:, 2 * r:2 * r + 3, 2 * c:2 * c + 3].reshape(2, 18, 16)
+            window_act = act[:, 2 * r:2 * r + 3, 2 * c:2 * c + 3].reshape(2, 18)
+            votes = np.einsum("bipq,ijqr->bijpr", window.reshape(2, 18, 4, 4), kernel).reshape(2, 18, 3, 16)
+            expected = layer.routing(votes, window_act)
+            np.testing.assert_allclose(ops.convert_to_numpy(result.poses[:, r, c]),
+                                       ops.convert_to_numpy(expected.poses), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(ops.convert_to_numpy(result.activations[:, r, c]),
+                                       ops.convert_to_numpy(expected.activations), rtol=1e-4, atol=1e-5)
+
+
+def test_class_capsules_share_weights_and_add_coordinates(rng):
+    poses = rng.normal(size=(1, 2, 3, 2, 16)).astype("float32")
+    recorded = {}
+
+    class Recorder(DynamicRouting):
+        def call(self, votes, activations=None, training=None):
+            recorded["votes"] = ops.convert_to_numpy(votes)
+            return super().call(votes, activations, training)
+
+    layer = ClassCapsules(4, 16, routing=Recorder(0), coordinate_addition=True)
+    layer(poses)
+    kernel = ops.convert_to_numpy(layer.kernel)                           # [T, J, 4, 4]
+    votes = recorded["votes"].reshape(1, 2, 3, 2, 4, 16)
+    for r in range(2):
+        for c in range(3):
+            for t in range(2):
+                expected = np.einsum("pq,jqr->jpr", poses[0, r, c, t].reshape(4, 4), kernel[t])
+                expected = expected.reshape(4, 16)
+                expected[:, 3] += (r + 0.5) / 2
+                expected[:, 7] += (c + 0.5) / 3
+                np.testing.assert_allclose(votes[0, r, c, t], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_primary_matrix_capsules_shapes(rng):
+    poses, act = PrimaryMatrixCapsules(5)(rng.normal(size=(2, 6, 6, 7)).astype("float32"))
+    assert poses.shape == (2, 6, 6, 5, 16) and act.shape == (2, 6, 6, 5)
+    assert np.all((ops.convert_to_numpy(act) > 0) & (ops.convert_to_numpy(act) < 1))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ConvCapsules(0), "num_capsules must be a positive integer"),
+    (lambda: ConvCapsules(4, 15), "square capsule_dim"),
+    (lambda: ConvCapsules(4, 16, kernel_size=0), "kernel_size must be a positive integer"),
+    (lambda: CapsuleDense(4, 16, pose="tensor"), "pose must be one of"),
+    (lambda: PrimaryMatrixCapsules(0), "num_capsules must be a positive integer"),
+])
+def test_invalid_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_kernel_larger_than_map_is_a_clear_error(rng):
+    with pytest.raises(ValueError, match="does not fit"):
+        ConvCapsules(2, 16, kernel_size=5)(rng.normal(size=(1, 3, 3, 2, 16)).astype("float32"))
+
+
+def test_configs_round_trip_with_non_default_arguments(tmp_path, rng):
+    layers = [
+        ConvCapsules(3, 9, kernel_size=2, strides=1, routing=DynamicRouting(1, "cosine"),
+                     pose="vector", name="conv"),
+        ClassCapsules(5, 16, routing=EMRouting(2, 0.2, 1e-3), coordinate_addition=False, name="cls"),
+        PrimaryMatrixCapsules(3, pose_side=3, kernel_size=2, name="prim"),
+        CapsuleDense(4, 16, routing=EMRouting(1), pose="matrix", name="dense"),
+    ]
+    for layer in layers:
+        config = layer.get_config()
+        again = layer.__class__.from_config(config)
+        assert again.get_config() == config
+
+
+@pytest.mark.slow
+def test_matrix_capsule_stack_saves_and_reloads(tmp_path, rng):
+    inputs = keras.Input((6, 6, 4))
+    poses, act = PrimaryMatrixCapsules(2)(inputs)
+    r = ConvCapsules(3, 16, kernel_size=3, strides=1, routing=EMRouting(2))
+    p2 = r(poses, act)
+    out = ClassCapsules(4, 16, routing=EMRouting(2))(p2)
+    model = keras.Model(inputs, out)
+    x = rng.normal(size=(2, 6, 6, 4)).astype("float32")
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    again = keras.saving.load_model(path)
+    np.testing.assert_allclose(ops.convert_to_numpy(again(x)), ops.convert_to_numpy(model(x)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_shift_moves_pixels_by_whole_steps():
+    image = np.zeros((1, 5, 5, 1), "float32")
+    image[0, 2, 2, 0] = 1.0
+    shifted = ops.convert_to_numpy(transforms._apply(
+        image, transforms._matrices(*(np.array([v], "float32") for v in (0, 0, 1, 1, 1, -2))),
+        interpolation="nearest"))
+    assert shifted[0, 0, 3, 0] == 1.0 and shifted.sum() == 1.0
+    seed = keras.random.SeedGenerator(1)
+    random = ops.convert_to_numpy(transforms.random_shift(np.repeat(image, 16, 0), 2, seed=seed))
+    assert np.all(random.sum(axis=(1, 2, 3)) == 1.0)
+
+
+def test_rotation_by_90_is_rot90_and_0_is_identity(rng):
+    image = rng.uniform(size=(2, 7, 7, 1)).astype("float32")
+    np.testing.assert_allclose(ops.convert_to_numpy(transforms.rotate(image, 0)), image, atol=1e-5)
+    rotated = ops.convert_to_numpy(transforms.rotate(image, 90))
+    candidates = [np.rot90(image, k, axes=(1, 2)) for k in (1, 3)]
+    assert min(np.abs(rotated - c).max() for c in candidates) < 1e-4
+
+
+def test_random_affine_keeps_range_and_shape(rng):
+    image = rng.uniform(size=(4, 12, 12, 3)).astype("float32")
+    out = ops.convert_to_numpy(transforms.random_affine(image, seed=keras.random.SeedGenerator(0)))
+    assert out.shape == image.shape and out.min() >= 0.0 and out.max() <= 1.0
+    assert np.abs(out - image).max() > 0.01

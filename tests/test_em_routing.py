@@ -1,0 +1,92 @@
+"""EM routing against a plain NumPy reference written here."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps import routing
+from poecaps.routing import EMRouting
+
+
+def numpy_em_routing(votes, activations, iterations, final_lambda, floor, beta_u, beta_a):
+    """Hinton et al. 2018, Procedure 1, with loops over upper capsules, in plain densities."""
+    batch, num_in, num_out, dim = votes.shape
+    r = np.full((batch, num_in, num_out), 1.0 / num_out)
+    for t in range(iterations):
+        lam = final_lambda * (1 - 0.95 ** (t + 1))
+        mu = np.zeros((batch, num_out, dim))
+        var = np.zeros((batch, num_out, dim))
+        a_out = np.zeros((batch, num_out))
+        for n in range(batch):
+            for j in range(num_out):
+                rw = r[n, :, j] * activations[n]
+                total = rw.sum() + 1e-8
+                mu[n, j] = (rw[:, None] * votes[n, :, j]).sum(0) / total
+                var[n, j] = (rw[:, None] * (votes[n, :, j] - mu[n, j]) ** 2).sum(0) / total + floor
+                cost = ((beta_u[j] + np.log(np.sqrt(var[n, j]))) * total).sum()
+                a_out[n, j] = 1 / (1 + np.exp(-lam * (beta_a[j] - cost)))
+        if t == iterations - 1:
+            break
+        for n in range(batch):
+            for i in range(num_in):
+                p = np.array([
+                    np.prod(1 / np.sqrt(2 * math.pi * var[n, j]))
+                    * np.exp(-np.sum((votes[n, i, j] - mu[n, j]) ** 2 / (2 * var[n, j])))
+                    for j in range(num_out)])
+                r[n, i] = a_out[n] * p / np.sum(a_out[n] * p)
+    return mu, a_out, r
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 3])
+def test_matches_numpy_reference(rng, iterations):
+    votes = rng.normal(size=(2, 6, 3, 4)) * 0.5
+    activations = rng.uniform(0.1, 1.0, size=(2, 6))
+    layer = EMRouting(iterations, final_lambda=0.5, variance_floor=1e-3)
+    layer.build(votes.shape)
+    beta_u, beta_a = rng.normal(size=3), rng.normal(size=3)
+    layer.beta_u.assign(beta_u)
+    layer.beta_a.assign(beta_a)
+    result = layer(votes.astype("float32"), activations.astype("float32"))
+    mu, a_out, r = numpy_em_routing(votes, activations, iterations, 0.5, 1e-3, beta_u, beta_a)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.poses), mu, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.activations), a_out, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), r, rtol=1e-4, atol=1e-5)
+
+
+def test_log_space_survives_far_votes(rng):
+    # Votes far from every Gaussian underflow plain densities to 0/0; log space stays finite.
+    votes = rng.normal(size=(1, 4, 2, 16)).astype("float32")
+    votes[0, 0] += 200.0
+    result = EMRouting(3)(votes)
+    for tensor in result:
+        assert np.all(np.isfinite(ops.convert_to_numpy(tensor)))
+    np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_agreeing_votes_activate_more_than_scattered_ones(rng):
+    tight = np.repeat(rng.normal(size=(1, 1, 1, 16)), 32, axis=1) + 0.01 * rng.normal(size=(1, 32, 1, 16))
+    loose = rng.normal(size=(1, 32, 1, 16)) * 3.0
+    layer = EMRouting(3, final_lambda=0.01)
+    tight_a = ops.convert_to_numpy(layer(tight.astype("float32")).activations)
+    loose_a = ops.convert_to_numpy(layer(loose.astype("float32")).activations)
+    assert tight_a[0, 0] > 0.5 > loose_a[0, 0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"iterations": 0}, "at least one M-step"),
+    ({"final_lambda": 0.0}, "final_lambda must be positive"),
+    ({"variance_floor": -1.0}, "variance_floor must be positive"),
+])
+def test_invalid_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EMRouting(**kwargs)
+
+
+def test_config_round_trip_and_get():
+    layer = routing.get("em", iterations=2, final_lambda=0.3, variance_floor=1e-2)
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+    assert isinstance(again, EMRouting)
+    assert (again.iterations, again.final_lambda, again.variance_floor) == (2, 0.3, 1e-2)

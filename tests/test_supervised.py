@@ -1,0 +1,95 @@
+"""CapsNet and matrix capsules: shapes, masking, losses wired, tiny fit, save and reload."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from trainers.supervised import CapsNet, MatrixCapsNet
+
+
+def _tiny_capsnet(**kwargs):
+    args = {"image_shape": (14, 14, 3), "num_classes": 5, "routing_iterations": 1,
+            "conv_filters": 8, "primary_types": 4, "primary_dim": 8, "class_dim": 16,
+            "kernel_size": 3, "seed": 1}
+    return CapsNet(**{**args, **kwargs})
+
+
+def _tiny_em(**kwargs):
+    args = {"image_shape": (20, 20, 1), "num_classes": 4, "routing_iterations": 2, "a": 8,
+            "b": 2, "c": 3, "d": 3, "final_lambda": 0.05, "margin_steps": 7, "max_shift": 1,
+            "seed": 2}
+    return MatrixCapsNet(**{**args, **kwargs})
+
+
+def test_capsnet_shapes_follow_the_data(rng):
+    model = _tiny_capsnet()
+    out = model(rng.uniform(size=(2, 14, 14, 3)).astype("float32"))
+    # 14 -3+1 = 12 -> (12-3)//2+1 = 5: 5*5*4 primary capsules
+    assert out["scores"].shape == (2, 5) and out["poses"].shape == (2, 5, 16)
+    assert out["coefficients"].shape == (2, 100, 5)
+    assert out["reconstruction"].shape == (2, 14, 14, 3)
+
+
+def test_capsnet_reconstruction_sees_only_the_masked_capsule(rng):
+    model = _tiny_capsnet()
+    poses = rng.normal(size=(1, 5, 16)).astype("float32")
+    other = poses.copy()
+    other[0, 1:] = rng.normal(size=(4, 16))
+    a = ops.convert_to_numpy(model.reconstruct(poses, np.array([0])))
+    b = ops.convert_to_numpy(model.reconstruct(other, np.array([0])))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("reconstruction", [True, False])
+def test_capsnet_tiny_fit_and_loss_terms(rng, reconstruction):
+    model = _tiny_capsnet(reconstruction=reconstruction)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    x = rng.uniform(size=(16, 14, 14, 3)).astype("float32")
+    y = rng.integers(0, 5, size=16)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+    assert ("reconstruction_loss" in history) == reconstruction
+    assert ("reconstruction" in model(x[:1])) == reconstruction
+    assert np.all(np.isfinite(history["loss"]))
+    expected = np.array(history["margin_loss"])
+    if reconstruction:
+        expected = expected + 0.0005 * np.array(history["reconstruction_loss"])
+    np.testing.assert_allclose(history["loss"], expected, rtol=1e-4)
+
+
+def test_em_shapes_and_tiny_fit(rng):
+    model = _tiny_em()
+    x = rng.uniform(size=(8, 20, 20, 1)).astype("float32")
+    out = model(x[:2])
+    assert out["scores"].shape == (2, 4) and out["coefficients"].shape == (2, 3, 4)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    history = model.fit(x, rng.integers(0, 4, size=8), batch_size=4, epochs=2, verbose=0).history
+    assert np.all(np.isfinite(history["loss"]))
+    # the margin rises from 0.2 towards 0.9 over margin_steps=7 steps
+    assert 0.2 < history["margin"][0] < history["margin"][1] <= 0.9
+
+
+@pytest.mark.parametrize("make", [_tiny_capsnet, _tiny_em])
+def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make):
+    model = make()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    x = rng.uniform(size=(4, *model.image_shape)).astype("float32")
+    model.fit(x, rng.integers(0, model.num_classes, size=4), epochs=1, verbose=0)
+    config = model.get_config()
+    assert type(model).from_config(config).get_config() == config
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    again = keras.saving.load_model(path)
+    np.testing.assert_array_equal(ops.convert_to_numpy(again(x)["scores"]),
+                                  ops.convert_to_numpy(model(x)["scores"]))
+
+
+@pytest.mark.parametrize("make, kwargs, message", [
+    (CapsNet, {"image_shape": (28, 28), "num_classes": 10}, "image_shape must be"),
+    (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 1}, "num_classes must be"),
+    (MatrixCapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "routing_iterations": 0},
+     "at least one M-step"),
+])
+def test_invalid_arguments(make, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)

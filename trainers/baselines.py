@@ -1,0 +1,135 @@
+"""Train a supervised capsule baseline (CapsNet or matrix capsules) into a run directory."""
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import keras
+import numpy as np
+
+from poecaps import data as data_lib
+from poecaps.runs import RunDir
+from trainers.supervised import CapsNet, MatrixCapsNet
+
+MODELS = ("capsnet", "em")
+# Settings that fix the data or the model's shape: a resumed run must keep them.
+ARCHITECTURE = ("model", "dataset", "limit", "seed", "routing_iterations", "reconstruction",
+                "em_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineConfig:
+    """Every setting of a baseline run (the papers' choices by default)."""
+
+    model: str = "capsnet"
+    dataset: str = "fashion_mnist"
+    data_dir: str | None = None
+    seed: int = 0
+    limit: int | None = None           # use only this many training images
+    epochs: int = 1
+    batch_size: int = 128
+    routing_iterations: int = -1       # -1: the paper's (2 agreement updates for CapsNet, 3 EM rounds)
+    reconstruction: bool = True        # CapsNet's reconstruction decoder and loss
+    learning_rate: float = 1e-3
+    decay_rate: float = 0.96           # Adam's learning rate times this every epoch
+    max_shift: int = 2                 # random shifts (CapsNet)
+    em_size: str = "small"             # "small" (A=64, B=8, C=D=16) or "paper" (all 32)
+    jit_compile: bool = False
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}. Received: model={self.model!r}")
+        if self.dataset not in data_lib.DATASETS:
+            raise ValueError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
+        if self.em_size not in ("small", "paper"):
+            raise ValueError(f"em_size must be 'small' or 'paper'. Received: em_size={self.em_size!r}")
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate}")
+        if self.routing_iterations < -1 or (self.model == "em" and self.routing_iterations == 0):
+            raise ValueError("routing_iterations must be >= 0 for capsnet, >= 1 for em, or -1 for "
+                             f"the paper's. Received: routing_iterations={self.routing_iterations}")
+
+    @property
+    def iterations(self):
+        if self.routing_iterations >= 0:
+            return self.routing_iterations
+        return 2 if self.model == "capsnet" else 3
+
+
+def load_split(config, split):
+    """float32 images `[N, H, W, C]` in [0, 1] and int64 labels; training split shuffled and limited."""
+    images, labels, source = data_lib.load_arrays(config.dataset, split, config.data_dir)
+    if split == "train":
+        order = np.random.default_rng(config.seed).permutation(len(images))[:config.limit or None]
+        images, labels = images[order], labels[order]
+    if len(images) == 0:
+        raise ValueError(f"The {split} split of {config.dataset} is empty.")
+    return data_lib.to_float(images), labels, source
+
+
+def build_model(config, image_shape, num_classes, steps_per_epoch):
+    if config.model == "capsnet":
+        return CapsNet(image_shape, num_classes, routing_iterations=config.iterations,
+                       reconstruction=config.reconstruction, max_shift=config.max_shift,
+                       seed=config.seed)
+    sizes = {"a": 64, "b": 8, "c": 16, "d": 16} if config.em_size == "small" else {"a": 32, "b": 32, "c": 32, "d": 32}
+    return MatrixCapsNet(image_shape, num_classes, routing_iterations=config.iterations,
+                         margin_steps=max(1, config.epochs * steps_per_epoch), max_shift=0,
+                         seed=config.seed, **sizes)
+
+
+class _MetricsLog(keras.callbacks.Callback):
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.run.append_metrics({"stage": "baseline", "epoch": epoch,
+                                 **{k: float(v) for k, v in (logs or {}).items()}})
+
+
+def train_baseline(config, run_dir, resume=False):
+    """Train into `run_dir` (resuming from the last epoch backup); returns the model."""
+    keras.utils.set_random_seed(config.seed)
+    run = RunDir(run_dir)
+    state = run.read_json("state.json", {}) if resume else {}
+    if resume and state.get("config"):
+        changed = [k for k in ARCHITECTURE if state["config"].get(k) != getattr(config, k)]
+        if changed:
+            raise ValueError(f"{run_dir} was trained with other {', '.join(changed)}; resume it "
+                             "with the same values or use a new --run-dir.")
+    if not resume and os.path.exists(run.file("metrics.jsonl")):
+        os.remove(run.file("metrics.jsonl"))
+    run.write_json("config.json", dataclasses.asdict(config))
+    train, train_labels, source = load_split(config, "train")
+    test, test_labels, _ = load_split(config, "test")
+    num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    steps = int(np.ceil(len(train) / config.batch_size))
+    print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
+    model = build_model(config, train.shape[1:], num_classes, steps)
+    schedule = keras.optimizers.schedules.ExponentialDecay(
+        config.learning_rate, decay_steps=steps, decay_rate=config.decay_rate)
+    model.compile(optimizer=keras.optimizers.Adam(schedule), jit_compile=config.jit_compile)
+    backup = os.path.join(run.checkpoints, "baseline")
+    if not resume:
+        shutil.rmtree(backup, ignore_errors=True)
+    callbacks = [keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
+                 keras.callbacks.TensorBoard(run.logs, write_graph=False), _MetricsLog(run)]
+    start = time.perf_counter()
+    history = model.fit(train, train_labels, epochs=config.epochs, batch_size=config.batch_size,
+                        shuffle=True, validation_data=(test, test_labels), callbacks=callbacks,
+                        verbose="auto")
+    seconds = time.perf_counter() - start
+    model.save(os.path.join(run.models, "baseline.keras"))
+    epochs_run = len(history.history.get("loss", []))
+    state = {"config": dataclasses.asdict(config), "seconds": seconds,
+             "seconds_per_epoch": seconds / max(epochs_run, 1), "epochs_this_call": epochs_run}
+    run.write_json("state.json", state)
+    print(json.dumps({"train_seconds": round(seconds, 1),
+                      "seconds_per_epoch": round(state["seconds_per_epoch"], 1)}))
+    return model
