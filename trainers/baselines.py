@@ -36,7 +36,7 @@ class BaselineConfig:
     decay_rate: float = 0.96           # Adam's learning rate times this every epoch
     max_shift: int = 2                 # random shifts (CapsNet)
     em_size: str = "small"             # "small" (A=64, B=8, C=D=16) or "paper" (all 32)
-    jit_compile: bool = False
+    jit_compile: str = "auto"          # "auto": XLA for EM (routing-bound), not for CapsNet (conv-bound)
 
     def __post_init__(self):
         if self.model not in MODELS:
@@ -50,9 +50,16 @@ class BaselineConfig:
                 raise ValueError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
         if self.learning_rate <= 0:
             raise ValueError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate}")
+        if self.jit_compile not in ("auto", "true", "false"):
+            raise ValueError("jit_compile must be 'auto', 'true' or 'false'. "
+                             f"Received: jit_compile={self.jit_compile!r}")
         if self.routing_iterations < -1 or (self.model == "em" and self.routing_iterations == 0):
             raise ValueError("routing_iterations must be >= 0 for capsnet, >= 1 for em, or -1 for "
                              f"the paper's. Received: routing_iterations={self.routing_iterations}")
+
+    @property
+    def xla(self):
+        return self.model == "em" if self.jit_compile == "auto" else self.jit_compile == "true"
 
     @property
     def iterations(self):
@@ -114,7 +121,7 @@ def train_baseline(config, run_dir, resume=False):
     model = build_model(config, train.shape[1:], num_classes, steps)
     schedule = keras.optimizers.schedules.ExponentialDecay(
         config.learning_rate, decay_steps=steps, decay_rate=config.decay_rate)
-    model.compile(optimizer=keras.optimizers.Adam(schedule), jit_compile=config.jit_compile)
+    model.compile(optimizer=keras.optimizers.Adam(schedule), jit_compile=config.xla)
     backup = os.path.join(run.checkpoints, "baseline")
     if not resume:
         shutil.rmtree(backup, ignore_errors=True)

@@ -80,12 +80,14 @@ class EMRouting(Routing):
         beta_a = ops.cast(self.beta_a, "float32")
         r = ops.ones_like(votes[..., 0]) / num_out
         for t in range(self.iterations):
-            # M-step. [B, I, J] x [B, I, J, D] -> [B, J, D]
-            rw = r * a_in[:, :, None]
-            r_sum = ops.sum(rw, axis=1) + 1e-8                                  # [B, J]
-            mu = ops.einsum("bij,bijd->bjd", rw, votes) / r_sum[..., None]
+            # M-step. Weighted sums over i as multiply-and-reduce: an einsum here would
+            # transpose the [B, I, J, D] votes on every call.
+            rw = (r * a_in[:, :, None])[..., None]                              # [B, I, J, 1]
+            r_sum = ops.sum(rw, axis=1) + 1e-8                                  # [B, J, 1]
+            mu = ops.sum(rw * votes, axis=1) / r_sum                            # [B, J, D]
             sq_dev = ops.square(votes - mu[:, None])                            # [B, I, J, D]
-            var = ops.einsum("bij,bijd->bjd", rw, sq_dev) / r_sum[..., None] + self.variance_floor
+            var = ops.sum(rw * sq_dev, axis=1) / r_sum + self.variance_floor
+            r_sum = r_sum[..., 0]
             log_sigma = 0.5 * ops.log(var)
             cost = ops.sum(beta_u[:, None] + log_sigma, axis=-1) * r_sum        # [B, J]
             logit_a = self.inverse_temperature(t) * (beta_a - cost)

@@ -1,0 +1,156 @@
+"""One training step of matrix capsules with EM routing: poecaps against a plain reference.
+
+Batch 64, 28x28x1, the small configuration (A=64, B=8, C=D=16; `--size
+paper` for all 32), 3 EM rounds in every capsule layer, spread loss, Adam.
+The reference computes the votes as the original code does, with the 4x4
+transformation matrices tiled over the batch and positions and the poses
+tiled over the output capsules (one tiny matmul per vote), and runs the same
+EM algorithm on those tiled tensors. Last line: RESULT images_per_s=<n>
+vs_reference=<ratio> matmul_fraction=<f>, with matmul_fraction = achieved
+FLOP/s (convolutions, votes and EM's weighted sums, forward x 3) /
+dense-matmul FLOP/s measured in the same run.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras
+import numpy as np
+import tensorflow as tf
+from common import best_seconds, dense_matmul_flops_per_s
+
+from poecaps import losses
+from poecaps.layers.conv_capsules import capsule_patches
+from trainers.supervised import MatrixCapsNet
+
+SIZES = {"small": (64, 8, 16, 16), "paper": (32, 32, 32, 32)}
+
+
+def tiled_em(votes, act, beta_u, beta_a, iterations=3, final_lambda=0.01):
+    """EM routing on `[N, I, J, 16]` votes, written plainly (no log-space normalisation)."""
+    num_out = votes.shape[2]
+    r = tf.ones_like(votes[..., 0]) / num_out
+    for t in range(iterations):
+        lam = final_lambda * (1 - 0.95 ** (t + 1))
+        rw = (r * act[..., None])[..., None]                                  # [N, I, J, 1]
+        r_sum = tf.reduce_sum(rw, axis=1, keepdims=True) + 1e-8               # [N, 1, J, 1]
+        mu = tf.reduce_sum(rw * votes, axis=1, keepdims=True) / r_sum
+        var = tf.reduce_sum(rw * tf.square(votes - mu), axis=1, keepdims=True) / r_sum + 1e-4
+        cost = tf.reduce_sum((beta_u[:, None] + 0.5 * tf.math.log(var)) * r_sum, -1)
+        a_out = tf.sigmoid(lam * (beta_a - cost))                             # [N, 1, J]
+        if t < iterations - 1:
+            p = tf.exp(-tf.reduce_sum(tf.square(votes - mu) / (2 * var), -1)) / tf.sqrt(
+                tf.reduce_prod(2 * math.pi * var, -1))
+            ap = a_out * p
+            r = ap / (tf.reduce_sum(ap, -1, keepdims=True) + 1e-12)
+    return mu[:, 0], a_out[:, 0]
+
+
+class TiledReference(keras.Model):
+    """The same network with tiled votes (`tf.tile` + one 4x4 matmul per vote)."""
+
+    def __init__(self, sizes, num_classes=10):
+        super().__init__()
+        a, b, c, d = sizes
+        self.b, self.c, self.d = b, c, d
+        self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu")
+        self.pose = keras.layers.Conv2D(b * 16, 1)
+        self.act = keras.layers.Conv2D(b, 1, activation="sigmoid")
+        init = keras.initializers.RandomNormal(stddev=0.5)
+        self.w1 = self.add_weight(shape=(9 * b, c, 4, 4), initializer=init)
+        self.w2 = self.add_weight(shape=(9 * c, d, 4, 4), initializer=init)
+        self.w3 = self.add_weight(shape=(d, num_classes, 4, 4), initializer=init)
+        self.betas = [self.add_weight(shape=(n,), initializer="zeros") for n in (c, c, d, d, 10, 10)]
+
+    def _conv_caps(self, poses, act, w, strides, betas):
+        patches = capsule_patches(poses, 3, strides)                        # [B, H, W, I, 16]
+        _, h, wd, i, _ = patches.shape
+        act_p = tf.reshape(capsule_patches(act, 3, strides), (-1, i))
+        m = tf.reshape(patches, (-1, i, 1, 4, 4))
+        n = tf.shape(m)[0]
+        votes = tf.matmul(tf.tile(m, [1, 1, w.shape[1], 1, 1]), tf.tile(w[None], [n, 1, 1, 1, 1]))
+        mu, a = tiled_em(tf.reshape(votes, (n, i, w.shape[1], 16)), act_p, *betas)
+        return tf.reshape(mu, (-1, h, wd, w.shape[1], 16)), tf.reshape(a, (-1, h, wd, w.shape[1]))
+
+    def call(self, images, labels, margin):
+        x = self.conv1(images)
+        h, w = x.shape[1], x.shape[2]
+        poses = tf.reshape(self.pose(x), (-1, h, w, self.b, 16))
+        p1, a1 = self._conv_caps(poses, self.act(x), self.w1, 2, self.betas[0:2])
+        p2, a2 = self._conv_caps(p1, a1, self.w2, 1, self.betas[2:4])
+        _, h, w, t, _ = p2.shape
+        m = tf.reshape(p2, (-1, h * w * t, 1, 4, 4))
+        n = tf.shape(m)[0]
+        w3 = tf.tile(self.w3[None, None], [n, h * w, 1, 1, 1, 1])
+        w3 = tf.reshape(w3, (n, h * w * t, 10, 4, 4))
+        votes = tf.reshape(tf.matmul(tf.tile(m, [1, 1, 10, 1, 1]), w3), (n, h * w * t, 10, 16))
+        _, scores = tiled_em(votes, tf.reshape(a2, (n, -1)), *self.betas[4:6])
+        return tf.reduce_mean(losses.spread_loss(labels, scores, margin))
+
+
+def em_flops(batch, sizes, iterations=3):
+    """Training FLOPs (forward x 3): convolutions, votes, and EM's weighted sums."""
+    a, b, c, d = sizes
+    conv = 2 * 25 * 12 * 12 * a + 2 * 12 * 12 * a * b * 17
+    layers = [(25, 9 * b, c), (9, 9 * c, d), (1, 9 * d, 10)]   # (positions, inputs, outputs)
+    caps = 0
+    for positions, num_in, num_out in layers:
+        votes = positions * num_in * num_out * 16
+        caps += votes * 2 * 4                          # one 4x4 by 4x4 product per vote
+        caps += votes * 2 * (2 * iterations + (iterations - 1))   # mu, var; E-step distances
+    return 3 * batch * (conv + caps)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    keras.utils.set_random_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    images = rng.uniform(size=(args.batch, 28, 28, 1)).astype("float32")
+    labels = rng.integers(0, 10, size=args.batch)
+    sizes = SIZES[args.size]
+    matmul = dense_matmul_flops_per_s()
+    flops = em_flops(args.batch, sizes)
+    a, b, c, d = sizes
+    model = MatrixCapsNet((28, 28, 1), 10, a=a, b=b, c=c, d=d, seed=args.seed)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    model.optimizer.build(model.trainable_variables)
+    results = {}
+    for jit in (False, True):
+        step = tf.function(lambda x, y: model.train_step((x, y)), jit_compile=jit)
+        seconds = best_seconds(lambda step=step: float(step(images, labels)["loss"]),
+                               warmup=2, repeats=args.repeats)
+        results[jit] = seconds
+        print(f"poecaps EM ({args.size}) jit_compile={jit!s:5}: {seconds * 1e3:7.1f} ms/step  "
+              f"{args.batch / seconds:6.1f} images/s  {flops / seconds / 1e9:5.1f} GFLOP/s", flush=True)
+    seconds = min(results.values())
+    ref = TiledReference(sizes)
+    ref(images, labels, margin=0.2)
+    optimizer = keras.optimizers.Adam(1e-3)
+    optimizer.build(ref.trainable_weights)
+
+    @tf.function
+    def ref_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = ref(x, y, margin=0.2)
+        optimizer.apply(tape.gradient(loss, ref.trainable_weights), ref.trainable_weights)
+        return loss
+
+    reference = best_seconds(lambda: float(ref_step(images, labels)), warmup=1, repeats=args.repeats)
+    print(f"reference (tiled votes, no XLA): {reference * 1e3:7.1f} ms/step  "
+          f"{args.batch / reference:6.1f} images/s")
+    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step")
+    print(f"RESULT images_per_s={args.batch / seconds:.1f} vs_reference={reference / seconds:.2f} "
+          f"matmul_fraction={flops / seconds / matmul:.3f}")
+
+
+if __name__ == "__main__":
+    main()
