@@ -11,7 +11,8 @@ from poecaps import routing
 from poecaps.routing import EMRouting
 
 
-def numpy_em_routing(votes, activations, iterations, final_lambda, floor, beta_u, beta_a):
+def numpy_em_routing(votes, activations, iterations, final_lambda, floor, beta_u, beta_a,
+                     standardize=False):
     """Hinton et al. 2018, Procedure 1, with loops over upper capsules, in plain densities."""
     batch, num_in, num_out, dim = votes.shape
     r = np.full((batch, num_in, num_out), 1.0 / num_out)
@@ -19,15 +20,17 @@ def numpy_em_routing(votes, activations, iterations, final_lambda, floor, beta_u
         lam = final_lambda * (1 - 0.95 ** (t + 1))
         mu = np.zeros((batch, num_out, dim))
         var = np.zeros((batch, num_out, dim))
-        a_out = np.zeros((batch, num_out))
+        costs = np.zeros((batch, num_out))
         for n in range(batch):
             for j in range(num_out):
                 rw = r[n, :, j] * activations[n]
                 total = rw.sum() + 1e-8
                 mu[n, j] = (rw[:, None] * votes[n, :, j]).sum(0) / total
                 var[n, j] = (rw[:, None] * (votes[n, :, j] - mu[n, j]) ** 2).sum(0) / total + floor
-                cost = ((beta_u[j] + np.log(np.sqrt(var[n, j]))) * total).sum()
-                a_out[n, j] = 1 / (1 + np.exp(-lam * (beta_a[j] - cost)))
+                costs[n, j] = ((beta_u[j] + np.log(np.sqrt(var[n, j]))) * total).sum()
+        if standardize:
+            costs = (costs - costs.mean(1, keepdims=True)) / np.sqrt(costs.var(1, keepdims=True) + 1e-8)
+        a_out = 1 / (1 + np.exp(-lam * (beta_a[None] - costs)))
         if t == iterations - 1:
             break
         for n in range(batch):
@@ -41,16 +44,19 @@ def numpy_em_routing(votes, activations, iterations, final_lambda, floor, beta_u
 
 
 @pytest.mark.parametrize("iterations", [1, 2, 3])
-def test_matches_numpy_reference(rng, iterations):
+@pytest.mark.parametrize("normalization", ["none", "standardize"])
+def test_matches_numpy_reference(rng, iterations, normalization):
     votes = rng.normal(size=(2, 6, 3, 4)) * 0.5
     activations = rng.uniform(0.1, 1.0, size=(2, 6))
-    layer = EMRouting(iterations, final_lambda=0.5, variance_floor=1e-3)
+    layer = EMRouting(iterations, final_lambda=0.5, variance_floor=1e-3,
+                      cost_normalization=normalization)
     layer.build(votes.shape)
     beta_u, beta_a = rng.normal(size=3), rng.normal(size=3)
     layer.beta_u.assign(beta_u)
     layer.beta_a.assign(beta_a)
     result = layer(votes.astype("float32"), activations.astype("float32"))
-    mu, a_out, r = numpy_em_routing(votes, activations, iterations, 0.5, 1e-3, beta_u, beta_a)
+    mu, a_out, r = numpy_em_routing(votes, activations, iterations, 0.5, 1e-3, beta_u, beta_a,
+                                    standardize=normalization == "standardize")
     np.testing.assert_allclose(ops.convert_to_numpy(result.poses), mu, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ops.convert_to_numpy(result.activations), a_out, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), r, rtol=1e-4, atol=1e-5)
@@ -79,6 +85,7 @@ def test_agreeing_votes_activate_more_than_scattered_ones(rng):
     ({"iterations": 0}, "at least one M-step"),
     ({"final_lambda": 0.0}, "final_lambda must be positive"),
     ({"variance_floor": -1.0}, "variance_floor must be positive"),
+    ({"cost_normalization": "zscore"}, "cost_normalization must be one of"),
 ])
 def test_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -86,7 +93,9 @@ def test_invalid_arguments(kwargs, message):
 
 
 def test_config_round_trip_and_get():
-    layer = routing.get("em", iterations=2, final_lambda=0.3, variance_floor=1e-2)
+    layer = routing.get("em", iterations=2, final_lambda=0.3, variance_floor=1e-2,
+                        cost_normalization="standardize")
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
     assert isinstance(again, EMRouting)
-    assert (again.iterations, again.final_lambda, again.variance_floor) == (2, 0.3, 1e-2)
+    assert (again.iterations, again.final_lambda, again.variance_floor,
+            again.cost_normalization) == (2, 0.3, 1e-2, "standardize")

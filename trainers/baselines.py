@@ -16,7 +16,7 @@ from trainers.supervised import CapsNet, MatrixCapsNet
 MODELS = ("capsnet", "em")
 # Settings that fix the data or the model's shape: a resumed run must keep them.
 ARCHITECTURE = ("model", "dataset", "limit", "seed", "routing_iterations", "reconstruction",
-                "em_size")
+                "em_size", "em_cost_normalization")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class BaselineConfig:
     decay_rate: float = 0.96           # Adam's learning rate times this every epoch
     max_shift: int = 2                 # random shifts (CapsNet)
     em_size: str = "small"             # "small" (A=64, B=8, C=D=16) or "paper" (all 32)
+    em_cost_normalization: str = "standardize"   # or "none": the paper's eq. 27
+    em_final_lambda: float = -1.0      # -1: 20 with standardised costs, 0.01 with the paper's
     jit_compile: str = "auto"          # "auto": XLA for EM (routing-bound), not for CapsNet (conv-bound)
 
     def __post_init__(self):
@@ -85,7 +87,11 @@ def build_model(config, image_shape, num_classes, steps_per_epoch):
                        reconstruction=config.reconstruction, max_shift=config.max_shift,
                        seed=config.seed)
     sizes = {"a": 64, "b": 8, "c": 16, "d": 16} if config.em_size == "small" else {"a": 32, "b": 32, "c": 32, "d": 32}
+    final_lambda = config.em_final_lambda
+    if final_lambda <= 0:
+        final_lambda = 20.0 if config.em_cost_normalization == "standardize" else 0.01
     return MatrixCapsNet(image_shape, num_classes, routing_iterations=config.iterations,
+                         final_lambda=final_lambda, cost_normalization=config.em_cost_normalization,
                          margin_steps=max(1, config.epochs * steps_per_epoch), max_shift=0,
                          seed=config.seed, **sizes)
 

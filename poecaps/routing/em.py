@@ -7,6 +7,8 @@ from keras import ops
 
 from poecaps.routing.base import Routing, RoutingResult
 
+COST_NORMALIZATIONS = ("none", "standardize")
+
 
 @keras.saving.register_keras_serializable(package="poecaps")
 class EMRouting(Routing):
@@ -36,6 +38,13 @@ class EMRouting(Routing):
         iterations: EM rounds (M-steps), >= 1.
         final_lambda: inverse temperature of the last round.
         variance_floor: added to every variance.
+        cost_normalization: "none" (the paper's eq. 27) or "standardize":
+            the costs of the J parents are standardised (minus their mean,
+            over their standard deviation) before eq. 27, as in widely used
+            reimplementations; use it with `final_lambda` near 20 (lambda_t
+            = 1.0, 1.95, 2.85 over three rounds). With the paper's costs,
+            which grow with the number of inputs, every activation
+            saturates together and the network does not learn on MNIST here.
 
     Call arguments:
         votes: `[B, I, J, D]`.
@@ -51,7 +60,8 @@ class EMRouting(Routing):
     (2, 5, 16)
     """
 
-    def __init__(self, iterations=3, final_lambda=0.01, variance_floor=1e-4, **kwargs):
+    def __init__(self, iterations=3, final_lambda=0.01, variance_floor=1e-4,
+                 cost_normalization="none", **kwargs):
         super().__init__(iterations=iterations, **kwargs)
         if iterations < 1:
             raise ValueError(f"EM routing needs at least one M-step. Received: iterations={iterations}")
@@ -60,6 +70,10 @@ class EMRouting(Routing):
         if not variance_floor > 0:
             raise ValueError(
                 f"variance_floor must be positive. Received: variance_floor={variance_floor}")
+        if cost_normalization not in COST_NORMALIZATIONS:
+            raise ValueError(f"cost_normalization must be one of {COST_NORMALIZATIONS}. "
+                             f"Received: cost_normalization={cost_normalization!r}")
+        self.cost_normalization = cost_normalization
         self.final_lambda = final_lambda
         self.variance_floor = variance_floor
 
@@ -90,6 +104,10 @@ class EMRouting(Routing):
             r_sum = r_sum[..., 0]
             log_sigma = 0.5 * ops.log(var)
             cost = ops.sum(beta_u[:, None] + log_sigma, axis=-1) * r_sum        # [B, J]
+            if self.cost_normalization == "standardize":
+                mean = ops.mean(cost, axis=-1, keepdims=True)
+                std = ops.sqrt(ops.mean(ops.square(cost - mean), axis=-1, keepdims=True) + 1e-8)
+                cost = (cost - mean) / std
             logit_a = self.inverse_temperature(t) * (beta_a - cost)
             if t == self.iterations - 1:
                 break
@@ -102,5 +120,6 @@ class EMRouting(Routing):
 
     def get_config(self):
         config = super().get_config()
-        config.update(final_lambda=self.final_lambda, variance_floor=self.variance_floor)
+        config.update(final_lambda=self.final_lambda, variance_floor=self.variance_floor,
+                      cost_normalization=self.cost_normalization)
         return config
