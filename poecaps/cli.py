@@ -41,3 +41,23 @@ def parser(description, config_cls=None, run_dir_required=False):
     if config_cls is not None:
         add_config_flags(p, config_cls)
     return p
+
+
+def run_main(main):
+    """Run a script's `main()`; print expected errors as one line (exit 2) unless POECAPS_DEBUG is set.
+
+    Errors poecaps raises on purpose (`poecaps.errors`), bad values
+    (`ValueError`) and missing files carry messages written for the user; a
+    stack trace would only hide them.
+    """
+    import sys
+
+    from poecaps.errors import PoecapsError
+
+    try:
+        return main()
+    except (PoecapsError, ValueError, FileNotFoundError) as error:
+        if os.environ.get("POECAPS_DEBUG"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

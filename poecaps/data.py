@@ -15,6 +15,8 @@ import struct
 
 import numpy as np
 
+from poecaps.errors import InputError
+
 DATASETS = ("mnist", "fashion_mnist")
 SPLITS = ("train", "test")
 SOURCES = ("idx", "system", "tfds")
@@ -33,7 +35,7 @@ _HOW_TO_GET = {
 }
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A dataset could not be found or read."""
 
 

@@ -72,7 +72,14 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
             routing = {"module": "poecaps.routing.dynamic", "class_name": "DynamicRouting",
                        "config": {"iterations": 3, "agreement": "cosine"},
                        "registered_name": "poecaps>DynamicRouting"}
+        # Energies and CD statistics stay float32 under a mixed-precision policy.
+        kwargs.setdefault("dtype", "float32")
         super().__init__(num_capsules, capsule_dim, routing=routing, **kwargs)
+
+    @property
+    def visible_shape(self):
+        """Shape of one example's visible units, `(I, D_in)`."""
+        return (self.kernel.shape[0], self.kernel.shape[3])
 
     def coefficients(self, x):
         return ops.stop_gradient(self.route(x).coefficients)

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
 from poecaps.experts import EnergyModel
 
 
@@ -30,6 +31,7 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
     """
 
     def __init__(self, num_hidden, seed=None, **kwargs):
+        kwargs.setdefault("dtype", "float32")   # energies stay float32 under mixed precision
         super().__init__(**kwargs)
         if not isinstance(num_hidden, int) or num_hidden <= 0:
             raise ValueError(f"num_hidden must be a positive integer. Received: num_hidden={num_hidden!r}")
@@ -60,7 +62,8 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
 
     def sample_hidden(self, v):
         p = self.p_on(v)
-        return ops.cast(keras.random.uniform(ops.shape(p), seed=self.seed_generator) < p, p.dtype)
+        noise = distribute.per_example_draw(keras.random.uniform, ops.shape(p), self.seed_generator)
+        return ops.cast(noise < p, p.dtype)
 
     def gibbs(self, v, steps=1):
         for _ in range(steps):
@@ -71,6 +74,11 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
         for _ in range(steps):
             v = self.visible_probabilities(self.p_on(v))
         return v
+
+    @property
+    def visible_shape(self):
+        """Shape of one example's visible units, `(V,)`."""
+        return (self.kernel.shape[0],)
 
     def call(self, inputs):
         return self.p_on(inputs)

@@ -12,6 +12,8 @@ import math
 import keras
 from keras import ops
 
+from poecaps import distribute
+
 
 def _apply(images, matrices, interpolation="bilinear"):
     """Apply output->input affine maps `[B, 2, 3]` (about the image centre)."""
@@ -47,7 +49,8 @@ def random_shift(images, max_shift=2, seed=None):
     if max_shift == 0:
         return images
     batch = ops.shape(images)[0]
-    shifts = keras.random.randint((batch, 2), -max_shift, max_shift + 1, seed=seed)
+    draw = lambda shape, seed: keras.random.randint(shape, -max_shift, max_shift + 1, seed=seed)
+    shifts = distribute.per_example_draw(draw, (batch, 2), seed)
     shifts = ops.cast(shifts, "float32")
     ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
     matrices = _matrices(zeros, zeros, ones, ones, shifts[:, 0], shifts[:, 1])

@@ -41,4 +41,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run_main(main)

@@ -3,6 +3,9 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
+from poecaps.validation import check_images
+
 
 class AutoencoderTrainer(keras.Model):
     """Trains a `ConvAutoencoder` to reconstruct images (Hauser section 4.1).
@@ -25,11 +28,16 @@ class AutoencoderTrainer(keras.Model):
     def metrics(self):
         return [self.loss_tracker, self.mse_tracker]
 
+    def check_inputs(self, x, y=None):
+        """Raise `InputError` unless `x` are images in [0, 1] with the autoencoder's channels."""
+        channels = self.autoencoder.kernel1.shape[2] if self.autoencoder.built else None
+        check_images(x, "x (images)", channels=channels)
+
     def call(self, images, training=False):
         return self.autoencoder(images, training=training)
 
     def _reconstruction_losses(self, images, training):
-        reconstruction = self.autoencoder(images, training=training)
+        reconstruction = ops.cast(self.autoencoder(images, training=training), "float32")
         loss = ops.mean(keras.losses.binary_crossentropy(
             ops.reshape(images, (ops.shape(images)[0], -1)),
             ops.reshape(reconstruction, (ops.shape(images)[0], -1))))
@@ -46,8 +54,10 @@ class AutoencoderTrainer(keras.Model):
         images = data[0] if isinstance(data, (tuple, list)) else data
         with tf.GradientTape() as tape:
             loss, mse = self._reconstruction_losses(images, training=True)
+            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
+            scaled = self.optimizer.scale_loss(loss * distribute.replica_scale())
         weights = self.autoencoder.trainable_weights
-        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        self.optimizer.apply(tape.gradient(scaled, weights), weights)
         return self._report(loss, mse)
 
     def test_step(self, data):

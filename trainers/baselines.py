@@ -3,14 +3,19 @@
 import dataclasses
 import json
 import os
-import shutil
 import time
 
 import keras
 import numpy as np
 
 from poecaps import data as data_lib
+from poecaps import distribute
+from poecaps.errors import InputError
+from poecaps.guard import ScaledSchedule
+from poecaps.resumable import fit_resumable
+from poecaps.run_options import RunOptions
 from poecaps.runs import RunDir
+from poecaps.validation import check_images
 from trainers.supervised import CapsNet, MatrixCapsNet
 
 MODELS = ("capsnet", "em")
@@ -20,7 +25,7 @@ ARCHITECTURE = ("model", "dataset", "limit", "seed", "routing_iterations", "reco
 
 
 @dataclasses.dataclass(frozen=True)
-class BaselineConfig:
+class BaselineConfig(RunOptions):
     """Every setting of a baseline run (the papers' choices by default)."""
 
     model: str = "capsnet"
@@ -41,22 +46,23 @@ class BaselineConfig:
     jit_compile: str = "auto"          # "auto": XLA for EM (routing-bound), not for CapsNet (conv-bound)
 
     def __post_init__(self):
+        super().__post_init__()
         if self.model not in MODELS:
-            raise ValueError(f"model must be one of {MODELS}. Received: model={self.model!r}")
+            raise InputError(f"model must be one of {MODELS}. Received: model={self.model!r}")
         if self.dataset not in data_lib.DATASETS:
-            raise ValueError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
+            raise InputError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
         if self.em_size not in ("small", "paper"):
-            raise ValueError(f"em_size must be 'small' or 'paper'. Received: em_size={self.em_size!r}")
+            raise InputError(f"em_size must be 'small' or 'paper'. Received: em_size={self.em_size!r}")
         for name in ("epochs", "batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
+                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
         if self.learning_rate <= 0:
-            raise ValueError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate}")
+            raise InputError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate}")
         if self.jit_compile not in ("auto", "true", "false"):
-            raise ValueError("jit_compile must be 'auto', 'true' or 'false'. "
+            raise InputError("jit_compile must be 'auto', 'true' or 'false'. "
                              f"Received: jit_compile={self.jit_compile!r}")
         if self.routing_iterations < -1 or (self.model == "em" and self.routing_iterations == 0):
-            raise ValueError("routing_iterations must be >= 0 for capsnet, >= 1 for em, or -1 for "
+            raise InputError("routing_iterations must be >= 0 for capsnet, >= 1 for em, or -1 for "
                              f"the paper's. Received: routing_iterations={self.routing_iterations}")
 
     @property
@@ -77,8 +83,8 @@ def load_split(config, split):
         order = np.random.default_rng(config.seed).permutation(len(images))[:config.limit or None]
         images, labels = images[order], labels[order]
     if len(images) == 0:
-        raise ValueError(f"The {split} split of {config.dataset} is empty.")
-    return data_lib.to_float(images), labels, source
+        raise InputError(f"The {split} split of {config.dataset} is empty.")
+    return check_images(data_lib.to_float(images), f"{config.dataset} {split} images"), labels, source
 
 
 def build_model(config, image_shape, num_classes, steps_per_epoch):
@@ -114,32 +120,35 @@ def train_baseline(config, run_dir, resume=False):
     if resume and state.get("config"):
         changed = [k for k in ARCHITECTURE if state["config"].get(k) != getattr(config, k)]
         if changed:
-            raise ValueError(f"{run_dir} was trained with other {', '.join(changed)}; resume it "
+            raise InputError(f"{run_dir} was trained with other {', '.join(changed)}; resume it "
                              "with the same values or use a new --run-dir.")
     if not resume and os.path.exists(run.file("metrics.jsonl")):
         os.remove(run.file("metrics.jsonl"))
+    strategy = distribute.get_strategy(config.strategy)
     run.write_json("config.json", dataclasses.asdict(config))
     train, train_labels, source = load_split(config, "train")
     test, test_labels, _ = load_split(config, "test")
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     steps = int(np.ceil(len(train) / config.batch_size))
     print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
-    model = build_model(config, train.shape[1:], num_classes, steps)
-    schedule = keras.optimizers.schedules.ExponentialDecay(
-        config.learning_rate, decay_steps=steps, decay_rate=config.decay_rate)
-    model.compile(optimizer=keras.optimizers.Adam(schedule), jit_compile=config.xla)
-    backup = os.path.join(run.checkpoints, "baseline")
-    if not resume:
-        shutil.rmtree(backup, ignore_errors=True)
-    callbacks = [keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
-                 keras.callbacks.TensorBoard(run.logs, write_graph=False), _MetricsLog(run)]
-    start = time.perf_counter()
-    history = model.fit(train, train_labels, epochs=config.epochs, batch_size=config.batch_size,
-                        shuffle=True, validation_data=(test, test_labels), callbacks=callbacks,
-                        verbose="auto")
-    seconds = time.perf_counter() - start
-    model.save(os.path.join(run.models, "baseline.keras"))
-    epochs_run = len(history.history.get("loss", []))
+    with strategy.scope(), distribute.precision_policy(config.precision):
+        model = build_model(config, train.shape[1:], num_classes, steps)
+        schedule = keras.optimizers.schedules.ExponentialDecay(
+            config.learning_rate, decay_steps=steps, decay_rate=config.decay_rate)
+        # Scaled so that the NaN guard can halve it (poecaps.guard).
+        model.compile(optimizer=keras.optimizers.Adam(ScaledSchedule(schedule)), jit_compile=config.xla)
+        callbacks = [keras.callbacks.TensorBoard(run.logs, write_graph=False), _MetricsLog(run)]
+        start = time.perf_counter()
+        history = fit_resumable(
+            model, train, train_labels, epochs=config.epochs, batch_size=config.batch_size,
+            seed=config.seed, checkpoint_dir=os.path.join(run.checkpoints, "baseline"),
+            checkpoint_config={k: getattr(config, k) for k in ARCHITECTURE + ("batch_size",)},
+            resume=resume, save_every=config.save_every, on_nan=config.on_nan,
+            fault_log=run.file("faults.jsonl"), callbacks=callbacks,
+            validation_data=(test, test_labels))
+        seconds = time.perf_counter() - start
+        model.save(os.path.join(run.models, "baseline.keras"))
+    epochs_run = len(history.get("loss", []))
     state = {"config": dataclasses.asdict(config), "seconds": seconds,
              "seconds_per_epoch": seconds / max(epochs_run, 1), "epochs_this_call": epochs_run}
     run.write_json("state.json", state)

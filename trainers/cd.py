@@ -3,6 +3,11 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
+from poecaps.errors import InputError
+from poecaps.guard import ScaledSchedule
+from poecaps.validation import check_array
+
 
 def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None):
     """One pure CD step: the descent gradients (with L2) and the statistics.
@@ -21,7 +26,8 @@ def default_optimizer(learning_rate=0.05, decay_steps=1000, decay_rate=0.95, mom
     if learning_rate <= 0:
         raise ValueError(f"learning_rate must be positive. Received: learning_rate={learning_rate}")
     schedule = keras.optimizers.schedules.ExponentialDecay(learning_rate, decay_steps, decay_rate)
-    return keras.optimizers.SGD(learning_rate=schedule, momentum=momentum)
+    # Scaled so that the NaN guard can halve it (poecaps.guard).
+    return keras.optimizers.SGD(learning_rate=ScaledSchedule(schedule), momentum=momentum)
 
 
 class CDTrainer(keras.Model):
@@ -57,7 +63,11 @@ class CDTrainer(keras.Model):
             raise ValueError(f"l2 must be >= 0. Received: l2={l2}")
         if persistent and chain_shape is None:
             raise ValueError("Persistent CD needs the chains' shape. Received: chain_shape=None")
+        if persistent and distribute.num_replicas() > 1:
+            raise InputError("Persistent chains live on one device; use CD-k (persistent=False) under a "
+                             f"strategy with {distribute.num_replicas()} replicas. Received: persistent=True")
         self.energy_model = model
+        self._identity_preprocess = preprocess is None
         self.preprocess = preprocess or (lambda images: images)
         self.steps = steps
         self.persistent = persistent
@@ -75,6 +85,16 @@ class CDTrainer(keras.Model):
     @property
     def metrics(self):
         return list(self.trackers.values())
+
+    def check_inputs(self, x, y=None):
+        """Raise `InputError` unless `x` (and hidden `y`) fit the energy model."""
+        shape = self.energy_model.visible_shape if self.energy_model.built else None
+        if self._identity_preprocess:
+            check_array(x, "x (visible units)", shape)
+        else:
+            check_array(x, "x (images)")
+        if y is not None:
+            check_array(y, "y (clamped hidden units)")
 
     def call(self, images):
         return self.energy_model(self.preprocess(images))
@@ -96,6 +116,9 @@ class CDTrainer(keras.Model):
         hidden = data[1] if isinstance(data, (tuple, list)) and len(data) > 1 else None
         chain = None if self.chain is None else ops.convert_to_tensor(self.chain)
         grads, negatives, stats = cd_step(self.energy_model, x, self.steps, chain, self.l2, hidden)
+        # Each replica's statistics average its share of the batch; Keras sums replicas' gradients.
+        scale = distribute.replica_scale()
+        grads = [g * scale for g in grads]
         self.optimizer.apply(grads, self.energy_model.trainable_weights)
         if self.chain is not None:
             self.chain.assign(negatives)

@@ -15,12 +15,16 @@ import keras
 import numpy as np
 
 from poecaps import data as data_lib
-from poecaps import figures
+from poecaps import distribute, figures
+from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
 from poecaps.rbm import BernoulliRBM
+from poecaps.resumable import fit_resumable
 from poecaps.routing import DynamicRouting
+from poecaps.run_options import RunOptions
 from poecaps.runs import CapsulePipeline, RunDir, batched, build_layer, load_layer, save_layer
+from poecaps.validation import check_images
 from trainers.autoencoder import AutoencoderTrainer
 from trainers.cd import CDTrainer, FreeEnergyGap, default_optimizer
 
@@ -31,7 +35,7 @@ ARCHITECTURE = ("dataset", "limit", "seed", "filters", "kernel_size", "strides",
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerwiseConfig:
+class LayerwiseConfig(RunOptions):
     """Every setting of a layer-wise run (the paper's sizes by default)."""
 
     dataset: str = "fashion_mnist"
@@ -72,20 +76,24 @@ class LayerwiseConfig:
     rbm_learning_rate: float = 0.05
 
     def __post_init__(self):
+        super().__post_init__()
+        if self.filters % self.capsule_dim:
+            raise InputError(f"capsule_dim must divide filters (the code's channels form capsules). "
+                             f"Received: capsule_dim={self.capsule_dim}, filters={self.filters}")
         if self.dataset not in data_lib.DATASETS:
-            raise ValueError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
+            raise InputError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
         for name in ("batch_size", "num_capsules", "upper_dim", "capsule_dim", "cd_steps"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
+                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
         for name in ("ae_learning_rate", "cd_learning_rate", "decoder_learning_rate",
                      "rbm_learning_rate"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive. Received: {name}={getattr(self, name)}")
+                raise InputError(f"{name} must be positive. Received: {name}={getattr(self, name)}")
         if self.decoder_rule not in ("clamped", "mirror"):
-            raise ValueError(f"decoder_rule must be 'clamped' or 'mirror'. "
+            raise InputError(f"decoder_rule must be 'clamped' or 'mirror'. "
                              f"Received: decoder_rule={self.decoder_rule!r}")
         if self.decoder_init not in ("encoder_transpose", "random"):
-            raise ValueError(f"decoder_init must be 'encoder_transpose' or 'random'. "
+            raise InputError(f"decoder_init must be 'encoder_transpose' or 'random'. "
                              f"Received: decoder_init={self.decoder_init!r}")
 
 
@@ -98,8 +106,8 @@ def load_images(config, split):
             order = order[:config.limit]
         images, labels = images[order], labels[order]
     if len(images) == 0:
-        raise ValueError(f"The {split} split of {config.dataset} is empty.")
-    return data_lib.to_float(images), labels, source
+        raise InputError(f"The {split} split of {config.dataset} is empty.")
+    return check_images(data_lib.to_float(images), f"{config.dataset} {split} images"), labels, source
 
 
 class _MetricsLog(keras.callbacks.Callback):
@@ -112,19 +120,18 @@ class _MetricsLog(keras.callbacks.Callback):
                                  **{k: float(v) for k, v in (logs or {}).items()}})
 
 
-def _fit(trainer, x, config, run, stage, epochs, validation_data=None, verbose="auto", y=None):
-    trainer(x[:2])  # build, so that a backup can be restored into it
-    trainer.optimizer.build(trainer.trainable_variables)
+def _fit(trainer, x, config, run, stage, epochs, resume, validation_data=None, verbose="auto", y=None):
     callbacks = []
     if isinstance(trainer, CDTrainer) and trainer.heldout is not None:
         callbacks.append(FreeEnergyGap(x[:len(trainer.heldout)], trainer.heldout))
-    callbacks += [
-        keras.callbacks.BackupAndRestore(os.path.join(run.checkpoints, stage)),
-        keras.callbacks.TensorBoard(os.path.join(run.logs, stage), write_graph=False),
-        _MetricsLog(run, stage),
-    ]
-    trainer.fit(x, y, epochs=epochs, batch_size=config.batch_size, shuffle=True,
-                validation_data=validation_data, callbacks=callbacks, verbose=verbose)
+    callbacks += [keras.callbacks.TensorBoard(os.path.join(run.logs, stage), write_graph=False),
+                  _MetricsLog(run, stage)]
+    fit_resumable(trainer, x, y, epochs=epochs, batch_size=config.batch_size, seed=config.seed,
+                  checkpoint_dir=os.path.join(run.checkpoints, stage),
+                  checkpoint_config={k: getattr(config, k) for k in ARCHITECTURE + ("batch_size",)},
+                  resume=resume, save_every=config.save_every, on_nan=config.on_nan,
+                  fault_log=run.file("faults.jsonl"), callbacks=callbacks,
+                  validation_data=validation_data, verbose=verbose)
 
 
 def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, seed):
@@ -143,7 +150,7 @@ def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate):
     return trainer
 
 
-def train_stage(stage, config, run, train, test):
+def train_stage(stage, config, run, train, test, resume=False):
     """Train one stage and save its component under `run/models`."""
     images, test_images = train, test
     steps = int(np.ceil(len(images) / config.batch_size))
@@ -153,7 +160,8 @@ def train_stage(stage, config, run, train, test):
                                          config.dropout, seed=config.seed), images.shape[1:])
         trainer = AutoencoderTrainer(ae)
         trainer.compile(optimizer=keras.optimizers.Adam(config.ae_learning_rate))
-        _fit(trainer, images, config, run, stage, config.ae_epochs, validation_data=(heldout_images,))
+        _fit(trainer, images, config, run, stage, config.ae_epochs, resume,
+             validation_data=(heldout_images,))
         save_layer(ae, os.path.join(run.models, "autoencoder.npz"))
         figures.filters(keras.ops.convert_to_numpy(ae.kernel1), run.file("filters.png"))
         return
@@ -176,7 +184,7 @@ def train_stage(stage, config, run, train, test):
                                              config.routing_iterations, config.agreement,
                                              config.normalize, config.seed), lower.shape[1:])
         trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate)
-        _fit(trainer, lower, config, run, stage, config.encoder_epochs)
+        _fit(trainer, lower, config, run, stage, config.encoder_epochs, resume)
         save_layer(encoder, os.path.join(run.models, "encoder.npz"))
     elif stage == "decoder":
         upper = batched(pipeline.upper_capsules, lower)
@@ -192,14 +200,14 @@ def train_stage(stage, config, run, train, test):
         heldout_upper = batched(pipeline.upper_capsules, heldout_lower)
         trainer = _cd_trainer(decoder, config, steps, heldout_upper, config.decoder_learning_rate)
         targets = lower if config.decoder_rule == "clamped" else None
-        _fit(trainer, upper, config, run, stage, config.decoder_epochs, y=targets)
+        _fit(trainer, upper, config, run, stage, config.decoder_epochs, resume, y=targets)
         save_layer(decoder, os.path.join(run.models, "decoder.npz"))
         np.save(os.path.join(run.models, "mean_directions.npy"), directions.astype("float32"))
     else:
-        raise ValueError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
+        raise InputError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
 
 
-def train_rbm(config, run, train, test):
+def train_rbm(config, run, train, test, resume=False):
     """The Bernoulli RBM baseline: same pixels, batch size and epochs as the capsule encoder."""
     flat = train.reshape(len(train), -1)
     heldout = test[:config.heldout_size].reshape(-1, flat.shape[1])
@@ -208,7 +216,7 @@ def train_rbm(config, run, train, test):
     trainer.compile(optimizer=default_optimizer(config.rbm_learning_rate,
                                                 int(np.ceil(len(flat) / config.batch_size)),
                                                 config.decay_rate, config.momentum))
-    _fit(trainer, flat, config, run, "rbm", config.encoder_epochs)
+    _fit(trainer, flat, config, run, "rbm", config.encoder_epochs, resume)
     save_layer(rbm, os.path.join(run.models, "rbm.npz"))
 
 
@@ -225,7 +233,7 @@ def train_layerwise(config, run_dir, stages=STAGES, resume=False):
     if resume and state.get("config"):
         changed = [k for k in ARCHITECTURE if state["config"].get(k) != getattr(config, k)]
         if changed:
-            raise ValueError(
+            raise InputError(
                 f"{run_dir} was trained with other {', '.join(changed)} "
                 f"(was {[state['config'].get(k) for k in changed]}); resume it "
                 "with the same values or use a new --run-dir.")
@@ -237,22 +245,24 @@ def train_layerwise(config, run_dir, stages=STAGES, resume=False):
     state["config"] = dataclasses.asdict(config)
     state.setdefault("stages", {})
     run.write_json("config.json", dataclasses.asdict(config))
+    strategy = distribute.get_strategy(config.strategy)
     train, _, source = load_images(config, "train")
     test, _, _ = load_images(config, "test")
     print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
     timings = {}
     for stage in stages:
         if stage not in STAGES:
-            raise ValueError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
+            raise InputError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
         if resume and stage in state["stages"]:
             print(f"[{stage}] already trained ({state['stages'][stage]['seconds']:.0f} s); skipping")
             continue
         print(f"[{stage}] training ...", flush=True)
         start = time.perf_counter()
-        if stage == "rbm":
-            train_rbm(config, run, train, test)
-        else:
-            train_stage(stage, config, run, train, test)
+        with strategy.scope(), distribute.precision_policy(config.precision):
+            if stage == "rbm":
+                train_rbm(config, run, train, test, resume)
+            else:
+                train_stage(stage, config, run, train, test, resume)
         seconds = time.perf_counter() - start
         timings[stage] = seconds
         state["stages"][stage] = {"seconds": seconds}

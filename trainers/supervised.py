@@ -11,7 +11,7 @@ import math
 import keras
 from keras import ops
 
-from poecaps import losses, transforms
+from poecaps import distribute, losses, transforms
 from poecaps.layers import (
     CapsuleDense,
     ClassCapsules,
@@ -20,6 +20,7 @@ from poecaps.layers import (
     PrimaryMatrixCapsules,
 )
 from poecaps.routing import DynamicRouting, EMRouting
+from poecaps.validation import check_images, check_labels
 
 
 class _Classifier(keras.Model):
@@ -43,6 +44,12 @@ class _Classifier(keras.Model):
     def build(self, input_shape=None):
         self.call(ops.zeros((1, *self.image_shape)))
 
+    def check_inputs(self, x, y=None):
+        """Raise `InputError` unless `x` are `[N, *image_shape]` images in [0, 1] and `y` class labels."""
+        check_images(x, "x (images)", image_shape=self.image_shape)
+        if y is not None:
+            check_labels(y, self.num_classes, len(x), "y (labels)")
+
     def _loss_terms(self, images, labels, training):
         """Returns `(total [scalar], outputs dict, {name: scalar})`."""
         raise NotImplementedError
@@ -54,7 +61,9 @@ class _Classifier(keras.Model):
         images = transforms.random_shift(images, self.max_shift, seed=self.seed_generator)
         with tf.GradientTape() as tape:
             loss, outputs, terms = self._loss_terms(images, labels, training=True)
-        grads = tape.gradient(loss, self.trainable_weights)
+            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
+            scaled = self.optimizer.scale_loss(loss * distribute.replica_scale())
+        grads = tape.gradient(scaled, self.trainable_weights)
         self.optimizer.apply(grads, self.trainable_weights)
         return self._update_metrics(loss, labels, outputs, terms)
 
@@ -170,7 +179,7 @@ class CapsNet(_Classifier):
         terms = {"margin_loss": margin}
         total = margin
         if self.reconstruction:
-            recon = self.reconstruct(result.poses, labels)
+            recon = ops.cast(self.reconstruct(result.poses, labels), "float32")
             terms["reconstruction_loss"] = ops.mean(losses.reconstruction_loss(images, recon))
             total = total + self.reconstruction_weight * terms["reconstruction_loss"]
         return total, outputs, terms

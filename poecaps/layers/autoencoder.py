@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
+
 
 @keras.saving.register_keras_serializable(package="poecaps")
 class ConvAutoencoder(keras.layers.Layer):
@@ -44,7 +46,7 @@ class ConvAutoencoder(keras.layers.Layer):
         self.dropout = dropout
         self.negative_slope = negative_slope
         self.seed = seed
-        self.dropout_layer = keras.layers.Dropout(dropout, seed=seed, name="dropout")
+        self.seed_generator = keras.random.SeedGenerator(seed)
 
     def build(self, input_shape):
         h, w, c = input_shape[1:]
@@ -66,7 +68,6 @@ class ConvAutoencoder(keras.layers.Layer):
         self.bias2 = self.add_weight(name="bias2", shape=(f,), initializer="zeros")
         self.decoder_bias2 = self.add_weight(name="decoder_bias2", shape=(f,), initializer="zeros")
         self.decoder_bias1 = self.add_weight(name="decoder_bias1", shape=(c,), initializer="zeros")
-        self.dropout_layer.build(None)
 
     def _act(self, x):
         return ops.leaky_relu(x, self.negative_slope)
@@ -75,9 +76,17 @@ class ConvAutoencoder(keras.layers.Layer):
         if not self.built:
             self.build(tuple(images.shape))
         x = self._act(ops.conv(images, self.kernel1, padding="valid") + self.bias1)
-        x = self.dropout_layer(x, training=training)
+        x = self._dropout(x, training)
         x = self._act(ops.conv(x, self.kernel2, strides=self.strides, padding="valid") + self.bias2)
-        return self.dropout_layer(x, training=training)
+        return self._dropout(x, training)
+
+    def _dropout(self, x, training):
+        # Inverted dropout with per-example masks that do not depend on how a
+        # strategy splits the batch (poecaps.distribute.per_example_draw).
+        if not training or self.dropout == 0:
+            return x
+        noise = distribute.per_example_draw(keras.random.uniform, ops.shape(x), self.seed_generator)
+        return ops.where(noise >= self.dropout, x / (1.0 - self.dropout), ops.zeros_like(x))
 
     def decode(self, code):
         # Tied weights: the encoder's kernels, used transposed.

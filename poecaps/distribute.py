@@ -1,0 +1,89 @@
+"""Strategies and precision policies for every trainer, by name.
+
+Trainers are `keras.Model`s, so `fit()` runs them under any `tf.distribute`
+strategy created around them (`with strategy.scope(): ...`). Keras sums the
+gradients that replicas hand to `optimizer.apply`; the trainers therefore
+divide their per-replica gradients (or losses) by `replica_scale()`, which
+makes a step under N replicas equal to one device's step on the same
+global batch.
+
+Precision: "mixed_float16" and "mixed_bfloat16" set Keras' global policy;
+routing layers and energy models keep a float32 policy, so routing, free
+energies and CD statistics stay in float32 (reductions in low precision lose
+the small differences CD is made of).
+"""
+
+import contextlib
+
+import keras
+from keras import ops
+
+from poecaps.errors import InputError
+
+STRATEGIES = ("default", "mirrored", "multiworker")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+
+
+def get_strategy(name="default"):
+    """A `tf.distribute.Strategy` by name: "default" (one device), "mirrored", "multiworker"."""
+    import tensorflow as tf
+
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "mirrored":
+        return tf.distribute.MirroredStrategy()
+    if name == "multiworker":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    raise InputError(f"strategy must be one of {STRATEGIES}. Received: strategy={name!r}")
+
+
+def check_precision(name):
+    if name not in PRECISIONS:
+        raise InputError(f"precision must be one of {PRECISIONS}. Received: precision={name!r}")
+    return name
+
+
+@contextlib.contextmanager
+def precision_policy(name="float32"):
+    """Set Keras' global dtype policy to `name` inside the block (restored after)."""
+    check_precision(name)
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def num_replicas():
+    """Replicas of the current strategy (1 outside any)."""
+    import tensorflow as tf
+
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def replica_scale():
+    """1 / number of replicas: the factor on per-replica gradients that Keras then sums."""
+    return 1.0 / num_replicas()
+
+
+def per_example_draw(draw, shape, seed):
+    """Random draws for this replica's examples that equal one device's draws for the global batch.
+
+    `draw(shape, seed=...)` is a `keras.random` function. Under N replicas each
+    replica draws for the whole global batch (`N * shape[0]` rows, same seed
+    state on every replica) and keeps its own contiguous slice, the slice of
+    the batch that `tf.distribute` gave it; so stochastic steps (Gibbs
+    sampling, random shifts) match one device up to float tolerance, and no
+    two replicas share noise.
+    """
+    import tensorflow as tf
+
+    replicas = num_replicas()
+    context = tf.distribute.get_replica_context()
+    if replicas == 1 or context is None:
+        return draw(shape, seed=seed)
+    rows = shape[0]
+    full = draw((rows * replicas, *shape[1:]), seed=seed)
+    start = ops.cast(context.replica_id_in_sync_group, "int32") * rows
+    return ops.slice(full, (start, *([0] * (len(shape) - 1))), (rows, *shape[1:]))

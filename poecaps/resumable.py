@@ -1,0 +1,180 @@
+"""`fit()` that survives being killed: deterministic batches, step checkpoints, NaN guard.
+
+Epoch e visits the training arrays in the order
+`numpy.random.default_rng([seed, e]).permutation(N)`, a pure function of the
+seed and the epoch, so a resumed run sees the very batches it would have
+seen. Checkpoints (`poecaps.checkpoints`) are written every `save_every`
+steps and at the end of every epoch; `resume=True` restores the newest good
+one, finishes its epoch from the next step and goes on. Together with the
+trainer's own `SeedGenerator` states, which the checkpoint holds, a run
+killed at any moment and resumed ends with the weights an uninterrupted run
+reaches (up to float tolerance).
+"""
+
+import keras
+import numpy as np
+
+from poecaps.checkpoints import CheckpointManager
+from poecaps.errors import InputError
+from poecaps.guard import POLICIES, NonFiniteGuard
+
+
+def epoch_order(seed, epoch, size):
+    """The order in which epoch `epoch` visits `size` examples."""
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(size)
+
+
+class EpochBatches(keras.utils.PyDataset):
+    """Batches of `arrays` in the order of `epoch_order`, from step `start` of epoch `epoch`.
+
+    One Keras epoch serves the steps `start, ..., ceil(N / batch_size) - 1`
+    of the current epoch. `fit()` must get `shuffle=False` and the
+    `EpochBatches.Sync` callback, which moves the dataset to each epoch as it
+    begins (Keras also reads a batch or two before training to build, so the
+    dataset cannot count epochs itself).
+
+    Args:
+        arrays: one array (x) or two (x, y) with the same first dimension.
+        batch_size: examples per batch (the last batch of an epoch may be smaller).
+        seed: seed of the orders.
+        epoch: the epoch to start in.
+        start: the step of `epoch` to start at.
+    """
+
+    def __init__(self, arrays, batch_size, seed, epoch=0, start=0):
+        super().__init__()
+        self.arrays = arrays
+        self.batch_size = batch_size
+        self.seed = seed
+        self.size = len(arrays[0])
+        self.steps_per_epoch = -(-self.size // batch_size)
+        if not 0 <= start < self.steps_per_epoch:
+            raise InputError(f"start must be in [0, {self.steps_per_epoch}). Received: start={start}")
+        self.epoch = epoch
+        self.start = start
+        self._order = epoch_order(seed, epoch, self.size)
+
+    def __len__(self):
+        return self.steps_per_epoch - self.start
+
+    def __getitem__(self, index):
+        step = self.start + index
+        rows = np.sort(self._order[step * self.batch_size:(step + 1) * self.batch_size])
+        batch = tuple(a[rows] for a in self.arrays)
+        return batch[0] if len(batch) == 1 else batch
+
+    def set_epoch(self, epoch):
+        if epoch != self.epoch:
+            self.epoch, self.start = epoch, 0
+            self._order = epoch_order(self.seed, epoch, self.size)
+
+    class Sync(keras.callbacks.Callback):
+        def __init__(self, data):
+            super().__init__()
+            self.data = data
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.data.set_epoch(epoch)
+
+
+class StepCheckpoint(keras.callbacks.Callback):
+    """Writes a checkpoint every `every` steps (0: never) and at the end of every epoch."""
+
+    def __init__(self, manager, steps_per_epoch, every=0, start_step=0):
+        super().__init__()
+        self.manager = manager
+        self.steps_per_epoch = steps_per_epoch
+        self.every = every
+        self.start_step = start_step
+        self.epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = self.start_step + batch + 1
+        global_step = self.epoch * self.steps_per_epoch + step
+        if self.every and global_step % self.every == 0 and step < self.steps_per_epoch:
+            self.manager.save(self.model, self.epoch, step, global_step)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.start_step = 0
+        self.manager.save(self.model, epoch + 1, 0, (epoch + 1) * self.steps_per_epoch)
+
+
+def _merge(history, more):
+    for key, values in more.history.items():
+        history.setdefault(key, []).extend(values)
+
+
+def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_dir=None,
+                  checkpoint_config=None, resume=False, save_every=0, on_nan="stop",
+                  fault_log=None, callbacks=(), validation_data=None, verbose="auto"):
+    """Train `trainer` (a compiled `keras.Model`) with checkpoints, resume and the NaN guard.
+
+    Args:
+        trainer: a compiled trainer (any poecaps trainer).
+        x, y: training arrays (y may be None).
+        epochs: total epochs of the run (a resumed run counts the ones already done).
+        batch_size: global batch size (split over replicas under a strategy).
+        seed: seed of the batch orders.
+        checkpoint_dir: folder of the checkpoints, or None for none.
+        checkpoint_config: settings a resumed run must share (see `CheckpointManager`).
+        resume: go on from the newest good checkpoint (else start over and clear them).
+        save_every: also checkpoint every this many steps (0: only at epoch ends).
+        on_nan: "stop", "reduce-lr" or "off" (see `NonFiniteGuard`).
+        fault_log: JSON-lines file for NaN events.
+        callbacks: further Keras callbacks (run after the guard, before the checkpoint).
+        validation_data: passed to `fit`.
+        verbose: passed to `fit`.
+
+    Returns:
+        The merged history dict (`{metric: [per-epoch values]}`) of this call.
+    """
+    if on_nan not in POLICIES:
+        raise InputError(f"on_nan must be one of {POLICIES}. Received: on_nan={on_nan!r}")
+    if save_every < 0:
+        raise InputError(f"save_every must be >= 0. Received: save_every={save_every}")
+    arrays = (x,) if y is None else (x, y)
+    if y is not None and len(y) != len(x):
+        raise InputError(f"x and y must have as many examples. Received: {len(x)} and {len(y)}")
+    if hasattr(trainer, "check_inputs"):
+        trainer.check_inputs(x, y)
+        if validation_data is not None:
+            trainer.check_inputs(*validation_data)
+    if len(x) == 0:
+        raise InputError("The training data is empty. Received: x with 0 examples")
+    with trainer.distribute_strategy.scope():
+        if not trainer.built:
+            trainer(x[:1])
+        if not trainer.optimizer.built:
+            trainer.optimizer.build(trainer.trainable_variables)
+    steps_per_epoch = -(-len(x) // batch_size)
+    epoch, start = 0, 0
+    manager = None
+    if checkpoint_dir is not None:
+        manager = CheckpointManager(checkpoint_dir, config=checkpoint_config)
+        if resume:
+            header = manager.restore(trainer)
+            if header is not None:
+                epoch, start = header["epoch"], header["step"]
+        else:
+            manager.clear()
+    history = {}
+    if epoch >= epochs:
+        print(f"Already trained for {epoch} of {epochs} epochs.")
+        return history
+    guard = [] if on_nan == "off" else [NonFiniteGuard(on_nan, fault_log)]
+    checkpoint = [] if manager is None else [StepCheckpoint(manager, steps_per_epoch, save_every, start)]
+    all_callbacks = guard + list(callbacks) + checkpoint
+    def run(data, last_epoch):
+        _merge(history, trainer.fit(data, initial_epoch=data.epoch, epochs=last_epoch, shuffle=False,
+                                    validation_data=validation_data, verbose=verbose,
+                                    callbacks=[EpochBatches.Sync(data), *all_callbacks]))
+
+    if start:   # finish the interrupted epoch first: Keras epochs all have one length
+        run(EpochBatches(arrays, batch_size, seed, epoch, start), epoch + 1)
+        epoch += 1
+    if epoch < epochs:
+        run(EpochBatches(arrays, batch_size, seed, epoch, 0), epochs)
+    return history

@@ -1,0 +1,52 @@
+"""Checks of user-supplied arrays, each failing with one `InputError` that names the argument."""
+
+import numpy as np
+
+from poecaps.errors import InputError
+
+
+def check_array(array, name, shape=None, low=None, high=None, what="values"):
+    """Check that `array` is a non-empty finite float array of `[N, *shape]` within [low, high].
+
+    `shape` entries of None match any size. Returns the array as float32 NumPy.
+    """
+    try:
+        array = np.asarray(array)
+    except Exception as error:  # noqa: BLE001  (anything not array-like)
+        raise InputError(f"{name} must be an array. Received: {type(array).__name__} ({error})") from None
+    if array.dtype == object or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+        raise InputError(f"{name} must hold numbers. Received: dtype {array.dtype}")
+    if array.ndim == 0 or len(array) == 0:
+        raise InputError(f"{name} is empty; it must hold at least one example. Received: shape {array.shape}")
+    if shape is not None:
+        expected = (None, *shape)
+        if array.ndim != len(expected) or any(e is not None and e != a for e, a in zip(expected, array.shape)):
+            wanted = "[N, " + ", ".join("?" if e is None else str(e) for e in shape) + "]"
+            raise InputError(f"{name} must have shape {wanted}. Received: shape {array.shape}")
+    array = array.astype(np.float32, copy=False)
+    if not np.isfinite(array).all():
+        count = int(np.size(array) - np.isfinite(array).sum())
+        raise InputError(f"{name} holds {count} NaN or infinite {what}; they must all be finite.")
+    if low is not None and high is not None and (array.min() < low or array.max() > high):
+        raise InputError(f"{name} must lie in [{low}, {high}]. Received: {what} from {array.min():g} "
+                         f"to {array.max():g} (divide 8-bit images by 255)")
+    return array
+
+
+def check_images(images, name="images", image_shape=None, channels=None):
+    """Images `[N, H, W, C]` in [0, 1]: `image_shape` (H, W, C) or just `channels` must match if given."""
+    if image_shape is None:
+        image_shape = (None, None, channels)
+    return check_array(images, name, tuple(image_shape), 0.0, 1.0, "pixels")
+
+
+def check_labels(labels, num_classes, count, name="labels"):
+    """Integer class labels in [0, num_classes), one per example."""
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or len(labels) != count:
+        raise InputError(f"{name} must be one integer per example, shape [{count}]. Received: shape {labels.shape}")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise InputError(f"{name} must be integers. Received: dtype {labels.dtype}")
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise InputError(f"{name} must lie in [0, {num_classes}). Received: {labels.min()} to {labels.max()}")
+    return labels

@@ -1,0 +1,132 @@
+"""Every bad input gets one clear error naming the argument and what was expected."""
+
+import gzip
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from poecaps import data as data_lib
+from poecaps import routing
+from poecaps.errors import InputError
+from poecaps.experts import CapsuleExperts
+from poecaps.layers import PrimaryCapsules
+from poecaps.resumable import fit_resumable
+from poecaps.routing import EMRouting
+from poecaps.run_options import RunOptions
+from trainers.baselines import BaselineConfig
+from trainers.cd import CDTrainer, default_optimizer
+from trainers.layerwise import LayerwiseConfig
+from trainers.supervised import CapsNet
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def capsnet():
+    model = CapsNet((12, 12, 1), 3, conv_filters=4, primary_types=2, primary_dim=4, class_dim=4,
+                    kernel_size=3, max_shift=0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    return model
+
+
+def _images(shape=(4, 12, 12, 1), fill=None):
+    images = np.random.default_rng(0).uniform(size=shape).astype("float32")
+    if fill is not None:
+        images.flat[3] = fill
+    return images
+
+
+LABELS = np.array([0, 1, 2, 0])
+
+
+@pytest.mark.parametrize("x, y, message", [
+    (_images((4, 12, 12)), LABELS, r"x \(images\) must have shape \[N, 12, 12, 1\]. Received: shape \(4, 12, 12\)"),
+    (_images((4, 12, 12, 3)), LABELS, r"must have shape \[N, 12, 12, 1\]. Received: shape \(4, 12, 12, 3\)"),
+    (_images((4, 14, 14, 1)), LABELS, r"must have shape \[N, 12, 12, 1\]"),
+    (_images() * 255, LABELS, r"x \(images\) must lie in \[0.0, 1.0\].*divide 8-bit images by 255"),
+    (_images(fill=np.nan), LABELS, r"x \(images\) holds 1 NaN or infinite pixels"),
+    (_images(fill=np.inf), LABELS, r"holds 1 NaN or infinite pixels"),
+    (_images((0, 12, 12, 1)), LABELS[:0], r"x \(images\) is empty"),
+    (_images(), np.array([0, 1, 2, 7]), r"y \(labels\) must lie in \[0, 3\). Received: 0 to 7"),
+    (_images(), np.array([0, 1, 2]), r"x and y must have as many examples. Received: 4 and 3"),
+    (_images(), np.array([0.0, 1.0, 2.0, 0.0]), r"y \(labels\) must be integers"),
+    (np.array([["a"]] * 4), LABELS, r"x \(images\) must hold numbers"),
+])
+def test_bad_training_arrays(capsnet, x, y, message):
+    with pytest.raises(InputError, match=message):
+        fit_resumable(capsnet, x, y, epochs=1, batch_size=2, seed=0, verbose=0)
+
+
+def test_bad_visible_units_for_cd():
+    layer = CapsuleExperts(2, 3)
+    layer.build((None, 5, 4))
+    trainer = CDTrainer(layer)
+    trainer.compile(optimizer=default_optimizer())
+    with pytest.raises(InputError, match=r"x \(visible units\) must have shape \[N, 5, 4\]. Received: shape \(3, 5, 8\)"):
+        fit_resumable(trainer, np.zeros((3, 5, 8), "float32"), epochs=1, batch_size=2, seed=0, verbose=0)
+
+
+def _write_idx(directory, images, labels, image_bytes=None, magic=2051):
+    os.makedirs(directory, exist_ok=True)
+    n, h, w = images.shape
+    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in (n, h, w))
+    with gzip.open(os.path.join(directory, "t10k-images-idx3-ubyte.gz"), "wb") as handle:
+        handle.write(header + (image_bytes if image_bytes is not None else images.tobytes()))
+    with gzip.open(os.path.join(directory, "t10k-labels-idx1-ubyte.gz"), "wb") as handle:
+        handle.write((2049).to_bytes(4, "big") + n.to_bytes(4, "big") + labels.astype("uint8").tobytes())
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("truncated", r"t10k-images-idx3-ubyte: IDX file holds 1016 bytes, its header promises 3152 \(truncated"),
+    ("magic", r"bad magic number"),
+    ("not_gzip", r"not a readable \(gzipped\) IDX file"),
+])
+def test_damaged_idx_files(tmp_path, kind, message):
+    images = np.zeros((4, 28, 28), "uint8")
+    labels = np.arange(4)
+    directory = str(tmp_path / "idx")
+    if kind == "truncated":
+        _write_idx(directory, images, labels, image_bytes=bytes(1000))
+    elif kind == "magic":
+        _write_idx(directory, images, labels, magic=1234)
+    else:
+        _write_idx(directory, images, labels)
+        with open(os.path.join(directory, "t10k-images-idx3-ubyte.gz"), "wb") as handle:
+            handle.write(b"this is not gzip")
+    with pytest.raises(InputError, match=message):
+        data_lib.load_arrays("mnist", "test", directory, source="idx")
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: data_lib.load_arrays("cifar10", "train"), r"Unknown dataset.*Received: name='cifar10'"),
+    (lambda: routing.get("attention"), r"Unknown routing 'attention'.*Received: routing='attention'"),
+    (lambda: EMRouting(iterations=0), r"iterations"),
+    (lambda: LayerwiseConfig(capsule_dim=7), r"capsule_dim must divide filters.*capsule_dim=7, filters=128"),
+    (lambda: PrimaryCapsules(capsule_dim=0), r"capsule_dim"),
+    (lambda: LayerwiseConfig(cd_learning_rate=-0.1), r"cd_learning_rate must be positive. Received: cd_learning_rate=-0.1"),
+    (lambda: BaselineConfig(learning_rate=-1.0), r"learning_rate must be positive. Received: learning_rate=-1.0"),
+    (lambda: BaselineConfig(model="em", routing_iterations=0), r"routing_iterations must be .* >= 1 for em"),
+    (lambda: BaselineConfig(epochs=0), r"epochs must be >= 1. Received: epochs=0"),
+    (lambda: RunOptions(on_nan="ignore"), r"on_nan must be one of .*Received: on_nan='ignore'"),
+    (lambda: RunOptions(strategy="tpu"), r"strategy must be one of .*Received: strategy='tpu'"),
+    (lambda: RunOptions(precision="float8"), r"precision must be one of .*Received: precision='float8'"),
+    (lambda: RunOptions(save_every=-5), r"save_every must be >= 0. Received: save_every=-5"),
+    (lambda: default_optimizer(learning_rate=0.0), r"learning_rate must be positive"),
+    (lambda: CDTrainer(CapsuleExperts(2, 3), steps=0), r"CD needs steps >= 1. Received: steps=0"),
+])
+def test_bad_names_sizes_and_hyperparameters(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_bad_input_in_a_script_is_one_line_without_a_stack_trace(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "scripts/baseline.py", "--learning-rate", "-1", "--run-dir", str(tmp_path)],
+        check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "error: learning_rate must be positive. Received: learning_rate=-1.0" in result.stderr
+    assert "Traceback" not in result.stderr

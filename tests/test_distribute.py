@@ -1,0 +1,105 @@
+"""tf.distribute (2 logical CPU devices) against one device, and mixed precision."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps import distribute
+from poecaps.capsules import squash
+from poecaps.experts import CapsuleExperts
+from poecaps.resumable import fit_resumable
+from trainers.cd import CDTrainer, default_optimizer
+from trainers.supervised import CapsNet, MatrixCapsNet
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "workers", "distribute_run.py")
+
+
+def _run_worker(kind):
+    # A fresh process: logical devices must be set before TensorFlow starts.
+    result = subprocess.run([sys.executable, WORKER, kind], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, check=False)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# Stochastic steps (RBM Gibbs sampling) compare thresholded draws, where 1e-7 differences
+# in probabilities can flip a rare unit; deterministic ones agree to float rounding.
+TOLERANCE = {"cd": 1e-5, "rbm": 1e-4, "autoencoder": 1e-5, "capsnet": 1e-5, "em": 1e-5}
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_on_two_devices_matches_one_device():
+    result = _run_worker("mirrored")
+    assert set(result) == set(TOLERANCE)
+    for name, figures in result.items():
+        assert figures["replicas"] == 2, name
+        assert figures["moved"] > 1e-3, name   # training did change the weights
+        assert figures["max_relative_difference"] < TOLERANCE[name], (name, figures)
+
+
+@pytest.mark.slow
+def test_multiworker_strategy_single_worker_matches_one_device():
+    result = _run_worker("multiworker")
+    for name, figures in result.items():
+        assert figures["replicas"] == 1, name
+        assert figures["max_relative_difference"] < TOLERANCE[name], (name, figures)
+
+
+def test_per_example_draw_is_the_plain_draw_on_one_device():
+    seed_a, seed_b = keras.random.SeedGenerator(3), keras.random.SeedGenerator(3)
+    a = distribute.per_example_draw(keras.random.uniform, (4, 2), seed_a)
+    b = keras.random.uniform((4, 2), seed=seed_b)
+    np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
+
+
+def _tiny_capsnet():
+    model = CapsNet((12, 12, 1), 3, conv_filters=8, primary_types=2, primary_dim=4, class_dim=4,
+                    kernel_size=3, max_shift=1)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    return model
+
+
+def _tiny_em():
+    model = MatrixCapsNet((28, 28, 1), 3, routing_iterations=2, a=4, b=2, c=2, d=2)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    return model
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("make, size", [(_tiny_capsnet, 12), (_tiny_em, 28)])
+def test_mixed_precision_trains_with_float32_routing(rng, policy, make, size):
+    images = rng.uniform(size=(8, size, size, 1)).astype("float32")
+    labels = rng.integers(0, 3, size=8)
+    with distribute.precision_policy(policy):
+        model = make()
+        history = fit_resumable(model, images, labels, epochs=2, batch_size=4, seed=0, verbose=0)
+        assert keras.config.dtype_policy().name == policy
+    assert keras.config.dtype_policy().name == "float32"   # restored
+    assert np.isfinite(history["loss"]).all()
+    assert model.conv1.compute_dtype == policy.split("_")[1]
+    result = model.encode(images)
+    assert keras.backend.standardize_dtype(result.activations.dtype) == "float32"
+    assert keras.backend.standardize_dtype(result.coefficients.dtype) == "float32"
+    if policy == "mixed_float16":
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_mixed_precision_keeps_energies_and_cd_in_float32(rng):
+    x = np.asarray(squash(rng.normal(size=(16, 6, 3)))).astype("float32")
+    with distribute.precision_policy("mixed_bfloat16"):
+        layer = CapsuleExperts(2, 4)
+        layer.build((None, 6, 3))
+        trainer = CDTrainer(layer)
+        trainer.compile(optimizer=default_optimizer(0.05), auto_scale_loss=False)
+        history = fit_resumable(trainer, x, epochs=1, batch_size=8, seed=0, verbose=0)
+    assert layer.compute_dtype == "float32"
+    assert keras.backend.standardize_dtype(layer.free_energy(x).dtype) == "float32"
+    assert np.isfinite(history["reconstruction_error"]).all()

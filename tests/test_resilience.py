@@ -1,0 +1,263 @@
+"""Runs that survive: atomic checkpoints, kill-and-resume, corrupted checkpoints, the NaN guard."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps.capsules import squash
+from poecaps.checkpoints import CheckpointManager
+from poecaps.errors import CheckpointError, NonFiniteError
+from poecaps.experts import CapsuleExperts
+from poecaps.guard import ScaledSchedule, learning_rate_scale
+from poecaps.rbm import BernoulliRBM
+from poecaps.resumable import EpochBatches, epoch_order, fit_resumable
+from poecaps.routing import DynamicRouting
+from trainers.cd import CDTrainer, default_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "workers", "resume_run.py")
+
+
+def _capsule_trainer(seed=0, num_out=3):
+    keras.utils.set_random_seed(seed)
+    model = CapsuleExperts(num_out, 5, routing=DynamicRouting(2, "cosine"),
+                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=seed))
+    model.build((None, 10, 4))
+    trainer = CDTrainer(model, seed=seed)
+    trainer.compile(optimizer=default_optimizer(0.05, 6, 0.9, 0.9))
+    return trainer
+
+
+def _rbm_trainer(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = BernoulliRBM(6, seed=seed)
+    model.build((None, 20))
+    trainer = CDTrainer(model, steps=2, seed=seed)
+    trainer.compile(optimizer=default_optimizer(0.05, 6, 0.9, 0.9))
+    return trainer
+
+
+@pytest.fixture
+def capsules(rng):
+    return np.asarray(squash(rng.normal(size=(48, 10, 4)))).astype("float32")
+
+
+@pytest.fixture
+def binary(rng):
+    return (rng.uniform(size=(48, 20)) < 0.3).astype("float32")
+
+
+def _weights(trainer):
+    return [np.array(w) for w in trainer.energy_model.get_weights()]
+
+
+def test_epoch_batches_cover_each_epoch_once_in_a_seeded_order():
+    x = np.arange(21, dtype="float32")[:, None]
+    data = EpochBatches((x,), batch_size=4, seed=3, epoch=2, start=0)
+    assert len(data) == 6
+    seen = np.concatenate([data[k][:, 0] for k in range(len(data))])
+    np.testing.assert_array_equal(np.sort(seen), x[:, 0])
+    np.testing.assert_array_equal(np.sort(seen[:4]), np.sort(epoch_order(3, 2, 21)[:4]))
+    late = EpochBatches((x,), batch_size=4, seed=3, epoch=2, start=4)
+    assert len(late) == 2
+    np.testing.assert_array_equal(late[0], data[4])
+    assert not np.array_equal(epoch_order(3, 2, 21), epoch_order(3, 3, 21))
+
+
+@pytest.mark.parametrize("make, data", [(_capsule_trainer, "capsules"), (_rbm_trainer, "binary")])
+def test_resuming_mid_epoch_reaches_the_uninterrupted_weights(tmp_path, make, data, request):
+    """Stop after 1 epoch plus 4 steps (by dropping later checkpoints), resume, compare."""
+    x = request.getfixturevalue(data)
+    whole = make()
+    fit_resumable(whole, x, epochs=3, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "a"),
+                  save_every=2, verbose=0)
+    part = make()
+    fit_resumable(part, x, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
+                  save_every=2, verbose=0)
+    manager = CheckpointManager(str(tmp_path / "b"), keep=3)
+    newest = manager.paths()[0]
+    os.remove(newest)   # the end of epoch 2: the newest left is step 4 of epoch 2 (global 10)
+    resumed = make(seed=5)   # other initial weights and seeds: all must come from the checkpoint
+    fit_resumable(resumed, x, epochs=3, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
+                  save_every=2, resume=True, verbose=0)
+    for a, b in zip(_weights(whole), _weights(resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_checkpoint_holds_optimizer_seed_and_learning_rate_scale(tmp_path, binary):
+    trainer = _rbm_trainer()
+    fit_resumable(trainer, binary, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path), verbose=0)
+    learning_rate_scale(trainer.optimizer).assign(0.25)
+    path = CheckpointManager(str(tmp_path)).save(trainer, epoch=1, step=0, global_step=6)
+    with np.load(path) as stored:
+        header = json.loads(str(stored["header"]))
+    names = " ".join(header["names"])
+    assert "iteration" in names and "seed_generator_state" in names and "learning_rate_scale" in names
+    fresh = _rbm_trainer(seed=9)
+    fresh(binary[:1])
+    fresh.optimizer.build(fresh.trainable_variables)
+    CheckpointManager(str(tmp_path), log=lambda m: None).restore(fresh)
+    assert float(ops.convert_to_numpy(learning_rate_scale(fresh.optimizer))) == 0.25
+    assert int(ops.convert_to_numpy(fresh.optimizer.iterations)) == 6
+    for a, b in zip(_weights(trainer), _weights(fresh)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_bytes", "empty"])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsules, damage):
+    trainer = _capsule_trainer()
+    fit_resumable(trainer, capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path),
+                  save_every=2, verbose=0)
+    manager = CheckpointManager(str(tmp_path))
+    newest, previous = manager.paths()[:2]
+    size = os.path.getsize(newest)
+    if damage == "truncate":
+        with open(newest, "r+b") as handle:
+            handle.truncate(size // 2)
+    elif damage == "empty":
+        open(newest, "wb").close()
+    else:   # same length, a valid archive header, one array's bytes changed
+        with open(newest, "r+b") as handle:
+            handle.seek(size - 400)
+            chunk = bytearray(handle.read(8))
+            handle.seek(size - 400)
+            handle.write(bytes(b ^ 0xFF for b in chunk))
+    messages = []
+    fresh = _capsule_trainer(seed=4)
+    fresh(capsules[:1])
+    fresh.optimizer.build(fresh.trainable_variables)
+    header = CheckpointManager(str(tmp_path), log=messages.append).restore(fresh)
+    assert header["global_step"] == 4   # the newest (end of epoch 1, step 6) was damaged
+    assert any(os.path.basename(newest) in m and "corrupted" in m and os.path.basename(previous) in m
+               for m in messages), messages
+
+
+def test_checkpoint_from_another_configuration_is_refused(tmp_path, capsules):
+    trainer = _capsule_trainer()
+    fit_resumable(trainer, capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path),
+                  checkpoint_config={"num_capsules": 3}, verbose=0)
+    with pytest.raises(CheckpointError, match="different configuration.*num_capsules: checkpoint 3, now 4"):
+        fit_resumable(_capsule_trainer(num_out=4), capsules, epochs=2, batch_size=8, seed=0,
+                      checkpoint_dir=str(tmp_path), checkpoint_config={"num_capsules": 4}, resume=True,
+                      verbose=0)
+    with pytest.raises(CheckpointError, match="do not match this trainer"):
+        fit_resumable(_capsule_trainer(num_out=4), capsules, epochs=2, batch_size=8, seed=0,
+                      checkpoint_dir=str(tmp_path), checkpoint_config={"num_capsules": 3}, resume=True,
+                      verbose=0)
+
+
+def test_no_temporary_file_is_left_and_only_the_newest_are_kept(tmp_path, capsules):
+    trainer = _capsule_trainer()
+    fit_resumable(trainer, capsules, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path),
+                  save_every=1, verbose=0)
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["ckpt-000000010.npz", "ckpt-000000011.npz", "ckpt-000000012.npz"]
+
+
+def _spawn(run_dir, model, resume, sleep):
+    command = [sys.executable, WORKER, str(run_dir), model, "--sleep", str(sleep)]
+    return subprocess.Popen(command + (["--resume"] if resume else []), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _newest_step(run_dir):
+    names = glob.glob(os.path.join(run_dir, "checkpoints", "ckpt-*.npz"))
+    return max((int(os.path.basename(n)[5:14]) for n in names), default=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["rbm", "capsules"])
+def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_path, model):
+    """48 steps (4 epochs of 12); killed with SIGKILL three times mid-run, resumed each time."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    done = _spawn(reference, model, resume=False, sleep=0.0)
+    assert done.wait(timeout=300) == 0, done.stdout.read()
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    rng = np.random.default_rng(1)
+    kills = []
+    for attempt in range(3):
+        worker = _spawn(killed, model, resume=attempt > 0, sleep=0.08)
+        start = _newest_step(killed)
+        deadline = time.time() + 120
+        while _newest_step(killed) <= start and time.time() < deadline and worker.poll() is None:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.5))   # anywhere: mid-step, mid-write, between checkpoints
+        assert worker.poll() is None, "the worker finished before it could be killed"
+        worker.send_signal(signal.SIGKILL)
+        assert worker.wait(timeout=60) == -signal.SIGKILL
+        kills.append(_newest_step(killed))
+        assert not (killed / "final.npz").exists()
+    assert kills == sorted(kills) and kills[-1] < 48, kills   # progress kept, never finished
+    last = _spawn(killed, model, resume=True, sleep=0.0)
+    output = last.communicate(timeout=300)[0]
+    assert last.returncode == 0, output
+    assert "Resumed from" in output
+    with np.load(reference / "final.npz") as a, np.load(killed / "final.npz") as b:
+        for key in a.files:
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-6, atol=1e-7)
+
+
+class _InjectNaN(keras.callbacks.Callback):
+    def __init__(self, at_batch):
+        super().__init__()
+        self.at_batch = at_batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.at_batch:
+            kernel = self.model.energy_model.kernel
+            kernel.assign(ops.where(ops.arange(kernel.shape[0])[:, None, None, None] == 0,
+                                    float("nan"), kernel))
+
+
+class _Snapshot(keras.callbacks.Callback):
+    def __init__(self, at_batch):
+        super().__init__()
+        self.at_batch, self.weights = at_batch, None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at_batch:
+            self.weights = [np.array(w) for w in self.model.energy_model.get_weights()]
+
+
+def test_nan_guard_restores_the_last_good_state_and_stops(tmp_path, capsules):
+    trainer = _capsule_trainer()
+    before = _Snapshot(2)
+    log = tmp_path / "faults.jsonl"
+    with pytest.raises(NonFiniteError, match=r"epoch 1, batch 4.*restored.*--on-nan reduce-lr"):
+        fit_resumable(trainer, capsules, epochs=2, batch_size=8, seed=0, fault_log=str(log),
+                      callbacks=[before, _InjectNaN(3)], verbose=0)
+    for a, b in zip(before.weights, _weights(trainer)):
+        np.testing.assert_array_equal(a, b)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(events) == 1 and events[0]["action"] == "stop" and events[0]["batch"] == 3
+    assert any("kernel" in name for name in events[0]["non_finite"])
+
+
+def test_nan_guard_halves_the_learning_rate_and_continues(tmp_path, capsules):
+    trainer = _capsule_trainer()
+    log = tmp_path / "faults.jsonl"
+    history = fit_resumable(trainer, capsules, epochs=2, batch_size=8, seed=0, on_nan="reduce-lr",
+                            fault_log=str(log), callbacks=[_InjectNaN(3)], verbose=0)
+    assert all(np.isfinite(w).all() for w in _weights(trainer))
+    assert len(history["reconstruction_error"]) == 2 and np.isfinite(history["reconstruction_error"]).all()
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["action"] for e in events] == ["reduce-lr", "reduce-lr"]   # batch 3 of each epoch
+    assert float(ops.convert_to_numpy(learning_rate_scale(trainer.optimizer))) == 0.25
+
+
+def test_scaled_schedule_round_trips_and_scales():
+    schedule = ScaledSchedule(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5), scale=0.5)
+    np.testing.assert_allclose(float(schedule(10)), 0.025, rtol=1e-6)
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(schedule))
+    np.testing.assert_allclose(float(again(10)), 0.025, rtol=1e-6)

@@ -1,0 +1,110 @@
+"""Train each trainer a few steps on one device and under a strategy; print weight differences as JSON.
+
+Run as a subprocess: it splits the CPU into 2 logical devices before TensorFlow starts.
+Usage: python tests/workers/distribute_run.py [mirrored|multiworker]
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import tensorflow as tf
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras
+import numpy as np
+
+from poecaps.capsules import squash
+from poecaps.experts import CapsuleExperts
+from poecaps.layers import ConvAutoencoder
+from poecaps.rbm import BernoulliRBM
+from poecaps.resumable import fit_resumable
+from poecaps.routing import DynamicRouting
+from trainers.autoencoder import AutoencoderTrainer
+from trainers.cd import CDTrainer, default_optimizer
+from trainers.supervised import CapsNet, MatrixCapsNet
+
+rng = np.random.default_rng(0)
+# (epochs, global batch): 8 steps of 8, except EM: one step of 32. EM's steep sigmoids
+# (lambda = 20 times standardised costs) amplify the 1e-8 rounding differences of the
+# replica sum after one step to 1e-4 after eight; one step shows the sum is right.
+SCHEDULE = {"em": (1, 32)}
+CAPSULES = np.asarray(squash(rng.normal(size=(32, 10, 4)))).astype("float32")
+IMAGES = rng.uniform(size=(32, 16, 16, 1)).astype("float32")
+LABELS = rng.integers(0, 3, size=32)
+IMAGES28 = rng.uniform(size=(32, 28, 28, 1)).astype("float32")
+
+
+def cd():
+    model = CapsuleExperts(3, 5, routing=DynamicRouting(2, "cosine"),
+                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=0))
+    trainer = CDTrainer(model, seed=1)
+    trainer.compile(optimizer=default_optimizer(0.1, 4, 0.9, 0.9))
+    return trainer, CAPSULES, None, lambda t: t.energy_model.get_weights()
+
+
+def autoencoder():
+    trainer = AutoencoderTrainer(ConvAutoencoder(4, 5, 2, dropout=0.2, seed=0))
+    trainer.compile(optimizer=keras.optimizers.Adam(1e-2))
+    return trainer, IMAGES, None, lambda t: t.autoencoder.get_weights()
+
+
+def rbm():
+    model = BernoulliRBM(6, seed=0)
+    trainer = CDTrainer(model, seed=1)
+    trainer.compile(optimizer=default_optimizer(0.1, 4, 0.9, 0.9))
+    return trainer, (IMAGES.reshape(32, -1)[:, :20] > 0.5).astype("float32"), None, \
+        lambda t: t.energy_model.get_weights()
+
+
+def capsnet():
+    model = CapsNet((16, 16, 1), 3, routing_iterations=2, conv_filters=8, primary_types=2,
+                    primary_dim=4, class_dim=4, kernel_size=5, max_shift=2, seed=0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    return model, IMAGES, LABELS, lambda t: t.get_weights()
+
+
+def em():
+    model = MatrixCapsNet((28, 28, 1), 3, routing_iterations=2, a=4, b=2, c=2, d=2, max_shift=0, seed=0)
+    model.compile(optimizer=keras.optimizers.Adam(1e-2))
+    return model, IMAGES28, LABELS, lambda t: t.get_weights()
+
+
+def train(make, strategy):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        trainer, x, y, weights = make()
+        epochs, batch = SCHEDULE.get(make.__name__, (2, 8))
+        fit_resumable(trainer, x, y, epochs=epochs, batch_size=batch, seed=0, verbose=0)
+    return [np.asarray(w) for w in weights(trainer)], trainer.distribute_strategy.num_replicas_in_sync
+
+
+def main():
+    kind = sys.argv[1] if len(sys.argv) > 1 else "mirrored"
+    if kind == "mirrored":
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    else:
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    result = {}
+    for make in (cd, rbm, autoencoder, capsnet, em):
+        one, _ = train(make, tf.distribute.get_strategy())
+        many, replicas = train(make, strategy)
+        moved = max(float(np.abs(w - w0).max()) for w, w0 in zip(one, train_initial(make)))
+        diff = max(float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12)) for a, b in zip(one, many))
+        result[make.__name__] = {"replicas": replicas, "max_relative_difference": diff, "moved": moved}
+    print("RESULT " + json.dumps(result))
+
+
+def train_initial(make):
+    keras.utils.set_random_seed(0)
+    trainer, x, _, weights = make()
+    trainer(x[:1])
+    return [np.asarray(w) for w in weights(trainer)]
+
+
+if __name__ == "__main__":
+    main()
