@@ -1,5 +1,7 @@
 """CapsNet and matrix capsules: shapes, masking, losses wired, tiny fit, save and reload."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -93,3 +95,27 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
 def test_invalid_arguments(make, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(**kwargs)
+
+
+def test_model_saved_with_the_guarded_schedule_loads_in_a_fresh_process(tmp_path, rng):
+    import subprocess
+    import sys
+
+    from poecaps.guard import ScaledSchedule
+
+    model = _tiny_capsnet()
+    model.compile(optimizer=keras.optimizers.Adam(
+        ScaledSchedule(keras.optimizers.schedules.ExponentialDecay(1e-3, 10, 0.9))))
+    x = rng.uniform(size=(4, *model.image_shape)).astype("float32")
+    model.fit(x, rng.integers(0, model.num_classes, size=4), epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "scores.npy", ops.convert_to_numpy(model(x)["scores"]))
+    code = ("import sys, numpy as np, keras; sys.path.insert(0, '.'); import trainers.supervised; "
+            f"m = keras.saving.load_model({path!r}); x = np.load({str(tmp_path / 'x.npy')!r}); "
+            f"np.testing.assert_array_equal(np.asarray(m(x)['scores']), np.load({str(tmp_path / 'scores.npy')!r}))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -11,7 +11,12 @@ import math
 import keras
 from keras import ops
 
-from poecaps import distribute, losses, transforms
+from poecaps import (
+    distribute,
+    guard,  # noqa: F401  (registers ScaledSchedule, the saved optimizers' schedule)
+    losses,
+    transforms,
+)
 from poecaps.layers import (
     CapsuleDense,
     ClassCapsules,
