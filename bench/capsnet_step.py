@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from common import best_seconds, dense_matmul_flops_per_s
 
-from poecaps import losses
+from poecaps import distribute, losses
 from poecaps.capsules import squash
 from trainers.supervised import CapsNet
 
@@ -75,6 +75,10 @@ def main():
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--precision", choices=distribute.PRECISIONS, default="float32",
+                   help="policy of the poecaps model (routing stays float32; the reference is float32)")
+    p.add_argument("--xla", action="store_true", help="compile the poecaps step with XLA")
+    p.add_argument("--skip-reference", action="store_true")
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -82,13 +86,18 @@ def main():
     labels = rng.integers(0, 10, size=args.batch)
     matmul = dense_matmul_flops_per_s()
     flops = capsnet_flops(args.batch)
-    model = CapsNet((28, 28, 1), 10, routing_iterations=2, seed=args.seed)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    with distribute.precision_policy(args.precision):
+        model = CapsNet((28, 28, 1), 10, routing_iterations=2, seed=args.seed)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3))
     model.optimizer.build(model.trainable_variables)
-    step = tf.function(lambda x, y: model.train_step((x, y)))
+    step = tf.function(lambda x, y: model.train_step((x, y)), jit_compile=args.xla)
     seconds = best_seconds(lambda: float(step(images, labels)["loss"]), warmup=2, repeats=args.repeats)
-    print(f"poecaps CapsNet: {seconds * 1e3:7.1f} ms/step  {args.batch / seconds:6.1f} images/s  "
-          f"{flops / seconds / 1e9:5.1f} GFLOP/s", flush=True)
+    print(f"poecaps CapsNet ({args.precision}, xla={args.xla}): {seconds * 1e3:7.1f} ms/step  "
+          f"{args.batch / seconds:6.1f} images/s  {flops / seconds / 1e9:5.1f} GFLOP/s", flush=True)
+    if args.skip_reference:
+        print(f"RESULT images_per_s={args.batch / seconds:.1f} vs_reference=nan "
+              f"matmul_fraction={flops / seconds / matmul:.3f}")
+        return
     ref = TiledReference()
     ref(images, labels)
     optimizer = keras.optimizers.Adam(1e-3)

@@ -44,17 +44,32 @@ def _matrices(rotation, shear, scale_x, scale_y, tx, ty):
     return ops.stack([row0, row1], axis=1)
 
 
+def shift(images, shifts):
+    """Shift each image by whole pixels: `shifts [B, 2]` integers (x right, y down); zeros fill in.
+
+    `out[b, r, c] = images[b, r - y_b, c - x_b]`, written as two one-hot
+    selections (exact, and compiled by XLA, which has no kernel for the
+    projective-transform op).
+    """
+    h, w = images.shape[1], images.shape[2]
+    shifts = ops.cast(shifts, "int32")
+    rows = ops.arange(h)[None, :] - shifts[:, 1:2]                                   # [B, H]
+    cols = ops.arange(w)[None, :] - shifts[:, 0:1]                                   # [B, W]
+    row_pick = ops.cast(rows[:, :, None] == ops.arange(h)[None, None, :], images.dtype)  # [B, H, H_in]
+    col_pick = ops.cast(cols[:, :, None] == ops.arange(w)[None, None, :], images.dtype)  # [B, W, W_in]
+    # [B, H, H_in] x [B, H_in, W_in, C] -> [B, H, W_in, C]
+    out = ops.einsum("bih,bhwc->biwc", row_pick, images)
+    # [B, W, W_in] x [B, H, W_in, C] -> [B, H, W, C]
+    return ops.einsum("bjw,biwc->bijc", col_pick, out)
+
+
 def random_shift(images, max_shift=2, seed=None):
     """Shift each image by a whole number of pixels in [-max_shift, max_shift] (Sabour)."""
     if max_shift == 0:
         return images
     batch = ops.shape(images)[0]
     draw = lambda shape, seed: keras.random.randint(shape, -max_shift, max_shift + 1, seed=seed)
-    shifts = distribute.per_example_draw(draw, (batch, 2), seed)
-    shifts = ops.cast(shifts, "float32")
-    ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
-    matrices = _matrices(zeros, zeros, ones, ones, shifts[:, 0], shifts[:, 1])
-    return _apply(images, matrices, interpolation="nearest")
+    return shift(images, distribute.per_example_draw(draw, (batch, 2), seed))
 
 
 def rotate(images, degrees):

@@ -154,3 +154,22 @@ def test_random_affine_keeps_range_and_shape(rng):
     out = ops.convert_to_numpy(transforms.random_affine(image, seed=keras.random.SeedGenerator(0)))
     assert out.shape == image.shape and out.min() >= 0.0 and out.max() <= 1.0
     assert np.abs(out - image).max() > 0.01
+
+
+def test_shift_equals_a_numpy_reference_and_compiles_with_xla(rng):
+    import tensorflow as tf
+
+    images = rng.uniform(size=(5, 6, 7, 2)).astype("float32")
+    shifts = np.array([[0, 0], [1, -2], [-3, 1], [2, 2], [7, 0]], "int32")
+    expected = np.zeros_like(images)
+    for b, (dx, dy) in enumerate(shifts):
+        for r in range(6):
+            for c in range(7):
+                if 0 <= r - dy < 6 and 0 <= c - dx < 7:
+                    expected[b, r, c] = images[b, r - dy, c - dx]
+    np.testing.assert_array_equal(ops.convert_to_numpy(transforms.shift(images, shifts)), expected)
+    compiled = tf.function(lambda x, s: transforms.shift(x, s), jit_compile=True)
+    np.testing.assert_array_equal(compiled(images, shifts).numpy(), expected)
+    seed = keras.random.SeedGenerator(2)
+    shifted = tf.function(lambda x: transforms.random_shift(x, 2, seed=seed), jit_compile=True)(images)
+    assert shifted.shape == images.shape
