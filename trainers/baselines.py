@@ -42,7 +42,7 @@ class BaselineConfig(RunOptions):
     max_shift: int = 2                 # random shifts (CapsNet)
     em_size: str = "small"             # "small" (A=64, B=8, C=D=16) or "paper" (all 32)
     em_cost_normalization: str = "standardize"   # or "none": the paper's eq. 27
-    em_final_lambda: float = -1.0      # -1: 20 with standardised costs, 0.01 with the paper's
+    em_final_lambda: float = -1.0      # -1: 1 with standardised costs, 0.01 with the paper's
     jit_compile: str = "auto"          # "auto": XLA for EM (routing-bound), not for CapsNet (conv-bound)
 
     def __post_init__(self):
@@ -95,7 +95,7 @@ def build_model(config, image_shape, num_classes, steps_per_epoch):
     sizes = {"a": 64, "b": 8, "c": 16, "d": 16} if config.em_size == "small" else {"a": 32, "b": 32, "c": 32, "d": 32}
     final_lambda = config.em_final_lambda
     if final_lambda <= 0:
-        final_lambda = 20.0 if config.em_cost_normalization == "standardize" else 0.01
+        final_lambda = 1.0 if config.em_cost_normalization == "standardize" else 0.01
     return MatrixCapsNet(image_shape, num_classes, routing_iterations=config.iterations,
                          final_lambda=final_lambda, cost_normalization=config.em_cost_normalization,
                          margin_steps=max(1, config.epochs * steps_per_epoch), max_shift=0,

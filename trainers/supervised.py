@@ -218,10 +218,10 @@ class MatrixCapsNet(_Classifier):
         a, b, c, d: the sizes A, B, C, D.
         final_lambda: sets EM's inverse temperatures, lambda_t = final_lambda
             * (1 - 0.95^(t+1)).
-        cost_normalization: "standardize" (default; lambda_t = 1.0, 1.95,
-            2.85 with final_lambda=20) or "none" with the paper's costs (use
+        cost_normalization: "standardize" (default; lambda_t = 0.05, 0.10,
+            0.14 with final_lambda=1) or "none" with the paper's costs (use
             final_lambda=0.01): on 64 MNIST digits, 40 Adam steps bring the
-            spread loss from 4.97 to 0.84 with standardised costs and only
+            spread loss from 4.97 to 0.84 with standardised costs (final_lambda=20) and only
             from 7.13 to 6.81 with the paper's, whose activations saturate
             together.
         margin_steps: steps over which the spread-loss margin rises.
@@ -229,7 +229,7 @@ class MatrixCapsNet(_Classifier):
     """
 
     def __init__(self, image_shape, num_classes, routing_iterations=3, a=64, b=8, c=16, d=16,
-                 final_lambda=20.0, cost_normalization="standardize", margin_steps=10000,
+                 final_lambda=1.0, cost_normalization="standardize", margin_steps=10000,
                  max_shift=0, seed=0, **kwargs):
         super().__init__(image_shape, num_classes, max_shift, seed, **kwargs)
         self.routing_iterations = routing_iterations
