@@ -22,17 +22,36 @@ class EnergyModel:
     direction of contrastive divergence (`-grad [F(x) - F(x~)]` averaged over
     the batch); `negatives` are the samples `x~` (for persistent chains);
     `stats` holds `free_energy [B]`, `p_on [B, J]` and `reconstruction [B, ...]`
-    (a one-step reconstruction of the data).
+    (a one-step reconstruction of the data). `sparsity=(target, cost)` adds
+    the ascent direction of the sparsity penalty `cost sum_j (q_j - target)^2`
+    on the batch's mean probabilities `q_j = mean_b P(h_j = 1 | x_b)` (Lee,
+    Ekanadham and Ng 2008; Hinton's practical guide to RBMs, section 11).
     """
 
-    def cd_gradients(self, x, steps=1, chain=None, hidden=None):
+    def cd_gradients(self, x, steps=1, chain=None, hidden=None, sparsity=None):
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"CD needs steps >= 1. Received: steps={steps!r}")
         if not self.built:
             self.build(tuple(x.shape))
-        if hidden is None:
-            return self._cd_gradients(x, steps, chain)
-        return self._cd_gradients(x, steps, chain, hidden=hidden)
+        kwargs = {}
+        if hidden is not None:
+            kwargs["hidden"] = hidden
+        if sparsity is not None:
+            if hidden is not None:
+                raise ValueError("A sparsity target applies to inferred hidden units, not to clamped "
+                                 "ones; pass hidden=None or sparsity=None.")
+            kwargs["sparsity"] = check_sparsity(sparsity)
+        return self._cd_gradients(x, steps, chain, **kwargs)
+
+
+def check_sparsity(sparsity):
+    """Validate `(target, cost)`: a target probability in (0, 1) and a cost >= 0."""
+    target, cost = sparsity
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"sparsity target must be in (0, 1). Received: target={target}")
+    if cost < 0:
+        raise ValueError(f"sparsity cost must be >= 0. Received: cost={cost}")
+    return float(target), float(cost)
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -101,7 +120,7 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
         cj = energy.to_j_major(self.coefficients(x))
         return cj, energy.routed_sum_j(x, energy.kernel_views(self.kernel)[0], cj)
 
-    def _cd_gradients(self, x, steps, chain, hidden=None):
+    def _cd_gradients(self, x, steps, chain, hidden=None, sparsity=None):
         wr, wt = energy.kernel_views(self.kernel)
         cj, zj = self._route_j(x)
         if hidden is not None:
@@ -117,7 +136,8 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
         else:
             cj_neg, zj_chain = self._route_j(chain)
             negatives, zj_neg = energy.mix_j(chain, wr, wt, cj_neg, steps, zj=zj_chain)
-        grad = energy.cd_gradient_j(x, zj if hidden is None else zj_data, cj, negatives, zj_neg, cj_neg)
+        grad = energy.cd_gradient_j(x, zj if hidden is None else zj_data, cj, negatives, zj_neg, cj_neg,
+                                    sparsity=sparsity)
         sq = ops.transpose(ops.sum(ops.square(zj), axis=-1))
         stats = {"free_energy": -ops.sum(ops.log1p(sq), axis=-1), "p_on": sq / (1.0 + sq),
                  "reconstruction": reconstruction}

@@ -63,7 +63,7 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
     def sample_hidden(self, v):
         p = self.p_on(v)
         noise = distribute.per_example_draw(keras.random.uniform, ops.shape(p), self.seed_generator)
-        return ops.cast(noise < p, p.dtype)
+        return ops.cast(ops.cast(noise, p.dtype) < p, p.dtype)
 
     def gibbs(self, v, steps=1):
         for _ in range(steps):
@@ -83,14 +83,20 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
     def call(self, inputs):
         return self.p_on(inputs)
 
-    def _cd_gradients(self, v, steps, chain):
+    def _cd_gradients(self, v, steps, chain, sparsity=None):
         negatives = self.gibbs(v if chain is None else chain, steps)
         h_pos, h_neg = self.p_on(v), self.p_on(negatives)
         n = ops.cast(ops.shape(v)[0], v.dtype)
+        # Sparsity penalty cost sum_j (q_j - target)^2, q_j = mean_b h_pos: its gradient's
+        # factor per example and unit is 2 cost (q_j - target) h (1 - h) / B.
+        pull = 0.0
+        if sparsity is not None:
+            target, cost = sparsity
+            pull = -2.0 * cost * (ops.mean(h_pos, axis=0) - target) * h_pos * (1.0 - h_pos)
         grads = [
-            (ops.matmul(ops.transpose(v), h_pos) - ops.matmul(ops.transpose(negatives), h_neg)) / n,
+            (ops.matmul(ops.transpose(v), h_pos + pull) - ops.matmul(ops.transpose(negatives), h_neg)) / n,
             ops.mean(v, axis=0) - ops.mean(negatives, axis=0),
-            ops.mean(h_pos, axis=0) - ops.mean(h_neg, axis=0),
+            ops.mean(h_pos + pull, axis=0) - ops.mean(h_neg, axis=0),
         ]
         stats = {"free_energy": self.free_energy(v), "p_on": h_pos,
                  "reconstruction": self.reconstruct(v)}

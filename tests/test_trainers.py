@@ -127,3 +127,58 @@ def test_autoencoder_trainer_reduces_reconstruction_error(rng):
     trainer.compile(optimizer=keras.optimizers.Adam(0.01))
     history = trainer.fit(images, epochs=8, batch_size=16, verbose=0)
     assert history.history["mse"][-1] < history.history["mse"][0]
+
+
+@pytest.mark.parametrize("iterations", [0, 2])
+def test_capsule_sparsity_term_is_minus_autodiff_of_penalty(rng, iterations):
+    """The closed-form sparsity term equals -d/dW cost sum_j (q_j - p)^2 with c held fixed."""
+    x = _capsules(rng, 5, 6, 3).astype("float64")
+    layer = CapsuleExperts(3, 4, routing=DynamicRouting(iterations, "cosine"), dtype="float64",
+                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
+    layer.build((None, 6, 3))
+    target, cost = 0.2, 0.7
+    plain, _, _ = layer.cd_gradients(x)
+    sparse, _, _ = layer.cd_gradients(x, sparsity=(target, cost))
+    c = tf.constant(ops.convert_to_numpy(layer.coefficients(x)))
+    kernel = tf.Variable(ops.convert_to_numpy(layer.kernel))
+    with tf.GradientTape() as tape:
+        z = tf.einsum("bij,ijoe,bie->bjo", c, kernel, x)    # eq. 3, independent of energy.py
+        s = tf.reduce_sum(z * z, -1)
+        penalty = cost * tf.reduce_sum((tf.reduce_mean(s / (1 + s), 0) - target) ** 2)
+    expected = -tape.gradient(penalty, kernel).numpy()
+    assert np.max(np.abs(expected)) > 1e-4
+    np.testing.assert_allclose(ops.convert_to_numpy(sparse[0] - plain[0]), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_rbm_sparsity_term_is_minus_autodiff_of_penalty(rng):
+    v = rng.uniform(size=(6, 5))
+    rbm = BernoulliRBM(3, seed=0, dtype="float64")
+    rbm.build((None, 5))
+    rbm.kernel.assign(rng.normal(size=(5, 3)))
+    rbm.hidden_bias.assign(rng.normal(size=3))
+    target, cost = 0.1, 0.5
+    # The same Gibbs draws in both calls, so the negative phases cancel.
+    start = rbm.seed_generator.state.numpy()
+    plain, _, _ = rbm.cd_gradients(v)
+    rbm.seed_generator.state.assign(start)
+    sparse, _, _ = rbm.cd_gradients(v, sparsity=(target, cost))
+    kernel, bias = tf.Variable(rbm.kernel.numpy()), tf.Variable(rbm.hidden_bias.numpy())
+    with tf.GradientTape() as tape:
+        q = tf.reduce_mean(tf.sigmoid(v @ kernel + bias), 0)
+        penalty = cost * tf.reduce_sum((q - target) ** 2)
+    d_kernel, d_bias = tape.gradient(penalty, [kernel, bias])
+    np.testing.assert_allclose(ops.convert_to_numpy(sparse[0] - plain[0]), -d_kernel.numpy(),
+                               rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(ops.convert_to_numpy(sparse[2] - plain[2]), -d_bias.numpy(),
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_sparsity_arguments_are_checked(rng):
+    layer = _experts(4, 2, 2, 3)
+    x = _capsules(rng, 2, 4, 2)
+    with pytest.raises(ValueError, match="sparsity target must be in"):
+        layer.cd_gradients(x, sparsity=(1.5, 0.1))
+    with pytest.raises(ValueError, match="sparsity cost must be >= 0"):
+        CDTrainer(layer, sparsity_cost=-1.0)
+    with pytest.raises(ValueError, match="clamped"):
+        layer.cd_gradients(x, hidden=_capsules(rng, 2, 2, 3), sparsity=(0.1, 1.0))

@@ -5,18 +5,21 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
+from poecaps.experts import check_sparsity
 from poecaps.guard import ScaledSchedule
 from poecaps.validation import check_array
 
 
-def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None):
+def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
     """One pure CD step: the descent gradients (with L2) and the statistics.
 
     Returns `(grads, negatives, stats)`; `grads` are aligned with
     `model.trainable_weights` and are *descent* directions, i.e. `-dW + l2 W`
     for the CD update dW (Hauser eq. 18), ready for a Keras optimizer.
+    `sparsity=(target, cost)` adds the sparsity penalty of `EnergyModel`.
     """
-    ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, hidden=hidden)
+    kwargs = {} if sparsity is None else {"sparsity": sparsity}
+    ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, hidden=hidden, **kwargs)
     grads = [-g + l2 * w for g, w in zip(ascent, model.trainable_weights)]
     return grads, negatives, stats
 
@@ -52,10 +55,14 @@ class CDTrainer(keras.Model):
         chain_shape: visible shape of the chains, `[batch, ...]` (persistent only).
         l2: L2 weight decay coefficient (>= 0).
         heldout: a held-out batch of images for the free-energy gap, or None.
+        sparsity_target, sparsity_cost: with a cost > 0, the update also
+            descends `cost sum_j (q_j - target)^2`, `q_j` the batch's mean
+            probability that hidden unit j is on (per replica under a
+            strategy); cost 0 (default) turns it off.
     """
 
     def __init__(self, model, preprocess=None, steps=1, persistent=False, chain_shape=None,
-                 l2=1e-4, heldout=None, seed=None, **kwargs):
+                 l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"CD needs steps >= 1. Received: steps={steps!r}")
@@ -66,6 +73,9 @@ class CDTrainer(keras.Model):
         if persistent and distribute.num_replicas() > 1:
             raise InputError("Persistent chains live on one device; use CD-k (persistent=False) under a "
                              f"strategy with {distribute.num_replicas()} replicas. Received: persistent=True")
+        self.sparsity = None
+        if sparsity_cost:
+            self.sparsity = check_sparsity((sparsity_target, sparsity_cost))
         self.energy_model = model
         self._identity_preprocess = preprocess is None
         self.preprocess = preprocess or (lambda images: images)
@@ -115,7 +125,8 @@ class CDTrainer(keras.Model):
         # (visible, hidden) pairs clamp the hidden layer in the positive phase.
         hidden = data[1] if isinstance(data, (tuple, list)) and len(data) > 1 else None
         chain = None if self.chain is None else ops.convert_to_tensor(self.chain)
-        grads, negatives, stats = cd_step(self.energy_model, x, self.steps, chain, self.l2, hidden)
+        grads, negatives, stats = cd_step(self.energy_model, x, self.steps, chain, self.l2, hidden,
+                                          self.sparsity)
         # Each replica's statistics average its share of the batch; Keras sums replicas' gradients.
         scale = distribute.replica_scale()
         grads = [g * scale for g in grads]

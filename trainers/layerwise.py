@@ -71,6 +71,9 @@ class LayerwiseConfig(RunOptions):
     decoder_init: str = "encoder_transpose"   # or "random"
     decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
     jit_cd: bool = True
+    # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)
+    sparsity_target: float = 0.1
+    sparsity_cost: float = 0.0
     # baseline
     rbm_hidden: int = 20
     rbm_learning_rate: float = 0.05
@@ -89,6 +92,9 @@ class LayerwiseConfig(RunOptions):
                      "rbm_learning_rate"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive. Received: {name}={getattr(self, name)}")
+        if not 0.0 < self.sparsity_target < 1.0 or self.sparsity_cost < 0:
+            raise InputError(f"sparsity_target must be in (0, 1) and sparsity_cost >= 0. Received: "
+                             f"sparsity_target={self.sparsity_target}, sparsity_cost={self.sparsity_cost}")
         if self.decoder_rule not in ("clamped", "mirror"):
             raise InputError(f"decoder_rule must be 'clamped' or 'mirror'. "
                              f"Received: decoder_rule={self.decoder_rule!r}")
@@ -140,10 +146,11 @@ def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, 
                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.01, seed=seed))
 
 
-def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate):
+def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, sparsity_cost=0.0):
     trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
                         chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
-                        l2=config.l2, heldout=heldout, seed=config.seed)
+                        l2=config.l2, heldout=heldout, seed=config.seed,
+                        sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost)
     trainer.compile(optimizer=default_optimizer(learning_rate, steps_per_epoch, config.decay_rate,
                                                 config.momentum),
                     jit_compile=config.jit_cd)
@@ -183,7 +190,8 @@ def train_stage(stage, config, run, train, test, resume=False):
         encoder = build_layer(_capsule_model(config.num_capsules, config.upper_dim,
                                              config.routing_iterations, config.agreement,
                                              config.normalize, config.seed), lower.shape[1:])
-        trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate)
+        trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate,
+                              config.sparsity_cost)
         _fit(trainer, lower, config, run, stage, config.encoder_epochs, resume)
         save_layer(encoder, os.path.join(run.models, "encoder.npz"))
     elif stage == "decoder":
