@@ -18,8 +18,8 @@ def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
     for the CD update dW (Hauser eq. 18), ready for a Keras optimizer.
     `sparsity=(target, cost)` adds the sparsity penalty of `EnergyModel`.
     """
-    kwargs = {} if sparsity is None else {"sparsity": sparsity}
-    ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, hidden=hidden, **kwargs)
+    ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, hidden=hidden,
+                                                  sparsity=sparsity)
     grads = [-g + l2 * w for g, w in zip(ascent, model.trainable_weights)]
     return grads, negatives, stats
 
