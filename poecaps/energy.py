@@ -144,12 +144,29 @@ def reconstruct(v, kernel, c):
 
 
 def vote_norms_j(x, kernel, epsilon=EPSILON):
-    """`|W_ij x_i|` for every pair as `[J, B, I]`, through the Gram matrices `W_ij^T W_ij`."""
-    # [I, J, D_out, D_in] x [I, J, D_out, D_in] -> [J, I, D_in, D_in]
-    gram = ops.einsum("ijoe,ijof->jief", kernel, kernel)
-    # [B, I, D_in] x [J, I, D_in, D_in] -> [J, B, I, D_in]
-    gx = ops.einsum("bie,jief->jbif", x, gram)
-    return ops.sqrt(ops.sum(gx * x[None], axis=-1) + epsilon)
+    """`|W_ij x_i|` for every pair as `[J, B, I]`, through the Gram matrices `W_ij^T W_ij`.
+
+    `|W_ij x_i|^2 = <x_i x_i^T, W_ij^T W_ij>`: one batched matmul over I of the
+    outer products `[I, B, D_in^2]` with the Gram matrices `[I, D_in^2, J]`,
+    so no `[J, B, I, D_in]` tensor is formed.
+    """
+    num_in, num_out, _, d_in = kernel.shape
+    # [I, J, D_out, D_in] x [I, J, D_out, D_in] -> [I, D_in, D_in, J]
+    gram = ops.reshape(ops.einsum("ijoe,ijof->iefj", kernel, kernel), (num_in, d_in * d_in, num_out))
+    xt = ops.transpose(x, (1, 0, 2))                                          # [I, B, D_in]
+    outer = ops.reshape(xt[:, :, :, None] * xt[:, :, None, :], (num_in, -1, d_in * d_in))
+    # [I, B, D_in^2] x [I, D_in^2, J] -> [I, B, J] -> [J, B, I]
+    sq = ops.transpose(ops.matmul(outer, gram), (2, 1, 0))
+    return ops.sqrt(ops.maximum(sq, 0.0) + epsilon)
+
+
+def uniform_sum_j(x, kernel, scale):
+    """`scale * sum_i W_ij x_i` as `[J, B, D_out]`: eq. 3 with constant coefficients, one matmul."""
+    num_in, num_out, d_out, d_in = kernel.shape
+    # [B, I*D_in] x [I*D_in, J*D_out] -> [B, J, D_out] -> [J, B, D_out]
+    flat = ops.reshape(ops.transpose(kernel, (0, 3, 1, 2)), (num_in * d_in, num_out * d_out))
+    z = ops.reshape(ops.matmul(ops.reshape(x, (-1, num_in * d_in)), flat), (-1, num_out, d_out))
+    return scale * ops.transpose(z, (1, 0, 2))
 
 
 def _squared_length(z):

@@ -61,12 +61,14 @@ def test_matches_numpy_reference(rng, agreement, normalize, iterations):
 
 @pytest.mark.parametrize("agreement", ["dot", "cosine"])
 @pytest.mark.parametrize("normalize", ["parents", "children"])
-def test_linear_route_equals_routing_on_votes(rng, agreement, normalize):
+@pytest.mark.parametrize("with_activations", [False, True])
+def test_linear_route_equals_routing_on_votes(rng, agreement, normalize, with_activations):
     x = rng.normal(size=(3, 7, 4))
     w = rng.normal(size=(7, 5, 6, 4)) * 0.3
+    a = rng.uniform(size=(3, 7)) if with_activations else None
     layer = DynamicRouting(2, agreement=agreement, normalize=normalize)
     votes = np.einsum("ijoe,bie->bijo", w, x)
-    on_votes, linear = layer(votes), layer.route_linear(x, w)
+    on_votes, linear = layer(votes, a), layer.route_linear(x, w, a)
     for a, b in zip(on_votes, linear):
         np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
 

@@ -66,12 +66,18 @@ class DynamicRouting(Routing):
         self.agreement = agreement
         self.normalize = normalize
 
-    def _loop(self, logits, softmax_axis, weighted_sum, dot_with_votes, vote_norms, v_norm):
-        """The routing loop, written once for both vote layouts; returns (c, z)."""
+    def _loop(self, logits, softmax_axis, weighted_sum, dot_with_votes, vote_norms, v_norm,
+              uniform_sum=None):
+        """The routing loop, written once for both vote layouts; returns (c, z).
+
+        `uniform_sum()`, where given, is `weighted_sum` of the first round's
+        uniform coefficients (the logits start at 0), computed without them.
+        """
         softmax = lambda b: ops.softmax(b, axis=softmax_axis)
         norms = vote_norms() if self.agreement == "cosine" and self.iterations else None
-        for _ in range(self.iterations):
-            v = squash(weighted_sum(softmax(logits)))
+        for t in range(self.iterations):
+            z = uniform_sum() if t == 0 and uniform_sum else weighted_sum(softmax(logits))
+            v = squash(z)
             agreement = dot_with_votes(v)
             if norms is not None:
                 agreement = agreement / (norms * v_norm(v))
@@ -117,15 +123,19 @@ class DynamicRouting(Routing):
         x, kernel = ops.cast(x, dtype), ops.cast(kernel, dtype)
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[None]
         wr, wt = energy.kernel_views(kernel)
-        d_in = kernel.shape[-1]
+        num_in, num_out, _, d_in = kernel.shape
+        # The first round's coefficients are uniform: 1/J over parents or 1/I over children.
+        uniform = 1.0 / (num_out if self.normalize == "parents" else num_in)
         return self._loop(
-            ops.zeros((kernel.shape[1], ops.shape(x)[0], kernel.shape[0]), dtype=dtype),
+            ops.zeros((num_out, ops.shape(x)[0], num_in), dtype=dtype),
             0 if self.normalize == "parents" else 2,
             lambda cj: energy.routed_sum_j(x, wr, cj * weight),
             # [J, B, I, D_in] x [B, I, D_in] -> [J, B, I]
             lambda vj: ops.sum(energy.transpose_votes_j(vj, wt, d_in) * x[None], axis=-1),
             lambda: energy.vote_norms_j(x, kernel),
             lambda vj: safe_norm(vj)[:, :, None],
+            uniform_sum=lambda: energy.uniform_sum_j(
+                x if activations is None else x * weight[0, :, :, None], kernel, uniform),
         )
 
     def route_linear(self, x, kernel, activations=None):
