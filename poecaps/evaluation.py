@@ -38,6 +38,10 @@ def _classifier(run, train, train_labels, test, test_labels, config):
     return model, accuracy
 
 
+def _accuracy(classifier, images, labels):
+    return float(np.mean(np.argmax(classifier.predict(images, verbose=0), axis=-1) == labels))
+
+
 def _specialisation(classifier, images, classes):
     rows, cols = images.shape[:2]
     predicted = np.argmax(classifier.predict(images.reshape(rows * cols, *images.shape[2:]),
@@ -74,6 +78,11 @@ def evaluate_run(run_dir, config=EvaluationConfig()):
             np.linalg.norm(train_upper, axis=-1), train_labels,
             np.linalg.norm(test_upper, axis=-1), test_labels),
         "mean_p_on_test": float(np.mean(np.linalg.norm(test_upper, axis=-1))),
+        "length_selectivity": metrics.class_selectivity(
+            np.linalg.norm(test_upper, axis=-1), test_labels, classes),
+        # Does the whole capsule code keep the class? The reference classifier on
+        # test images reconstructed through the capsule path.
+        "reconstruction_class_accuracy": _accuracy(classifier, reconstruction, test_labels),
     }
     sampler = CapsuleSampler(pipeline, seed=config.seed)
     for domain in (["full", "restricted"] if config.restricted else ["full"]):
@@ -100,6 +109,7 @@ def evaluate_run(run_dir, config=EvaluationConfig()):
             "probe_accuracy_hidden": metrics.linear_probe(
                 hidden_train, train_labels, hidden_test, test_labels),
             "samples_full": _specialisation(classifier, rbm_images, classes),
+            "probability_selectivity": metrics.class_selectivity(hidden_test, test_labels, classes),
         }
     run.write_json("eval.json", result)
     return result

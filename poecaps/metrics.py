@@ -78,3 +78,32 @@ def specialisation(predicted, classes):
         purity.append(float(counts.max() / counts.sum()))
     return {"purity": purity, "majority": majority, "mean_purity": float(np.mean(purity)),
             "classes_covered": len(set(majority))}
+
+
+def class_selectivity(activity, labels, classes):
+    """How much each unit prefers one class, read from its activity on labelled data.
+
+    The paper's claim that each capsule learns specific objects, checked
+    without a sampler or decoder in between: a capsule that stands for an
+    object is long on images of that object and short on the others.
+
+    Args:
+        activity: `[N, J]` capsule lengths or hidden-unit probabilities.
+        labels: `[N]` integer classes.
+        classes: number of classes.
+
+    Returns:
+        dict with each unit's `preferred` class (highest class-mean activity),
+        its `spread` (highest minus lowest class-mean activity), their
+        `mean_spread`, and `classes_preferred` (distinct preferred classes).
+    """
+    activity, labels = np.asarray(activity), np.asarray(labels)
+    if activity.ndim != 2 or len(activity) != len(labels):
+        raise ValueError(f"class_selectivity needs activity [N, J] and labels [N]. "
+                         f"Received shapes {activity.shape} and {labels.shape}")
+    present = [c for c in range(classes) if np.any(labels == c)]
+    means = np.stack([activity[labels == c].mean(axis=0) for c in present])   # [C, J]
+    preferred = [present[k] for k in np.argmax(means, axis=0)]
+    spread = means.max(axis=0) - means.min(axis=0)
+    return {"preferred": [int(c) for c in preferred], "spread": [float(v) for v in spread],
+            "mean_spread": float(spread.mean()), "classes_preferred": len(set(preferred))}

@@ -93,6 +93,19 @@ def test_specialisation_hand_computed():
     assert result["classes_covered"] == 3
 
 
+def test_class_selectivity_hand_computed():
+    # Unit 0 is long on class 1 only; unit 1 is the same on every class.
+    activity = np.array([[0.1, 0.5], [0.3, 0.5], [0.9, 0.5], [0.7, 0.5], [0.2, 0.5]])
+    labels = np.array([0, 0, 1, 1, 2])
+    result = metrics.class_selectivity(activity, labels, classes=4)   # class 3 absent
+    assert result["preferred"] == [1, 0]
+    np.testing.assert_allclose(result["spread"], [0.8 - 0.2, 0.0], atol=1e-12)
+    np.testing.assert_allclose(result["mean_spread"], 0.3, atol=1e-12)
+    assert result["classes_preferred"] == 2
+    with pytest.raises(ValueError, match="activity"):
+        metrics.class_selectivity(activity[:, 0], labels, classes=4)
+
+
 def test_linear_probe_separates_separable_features(rng):
     labels = rng.integers(0, 3, size=300)
     features = np.eye(3)[labels] * 3 + rng.normal(size=(300, 3)) * 0.1
