@@ -38,15 +38,14 @@ def _classifier(run, train, train_labels, test, test_labels, config):
     return model, accuracy
 
 
-def _accuracy(classifier, images, labels):
-    return float(np.mean(np.argmax(classifier.predict(images, verbose=0), axis=-1) == labels))
+def _predict(classifier, images):
+    return np.argmax(classifier.predict(images, verbose=0), axis=-1)
 
 
 def _specialisation(classifier, images, classes):
     rows, cols = images.shape[:2]
-    predicted = np.argmax(classifier.predict(images.reshape(rows * cols, *images.shape[2:]),
-                                             verbose=0), axis=-1).reshape(rows, cols)
-    return metrics.specialisation(predicted, classes)
+    predicted = _predict(classifier, images.reshape(rows * cols, *images.shape[2:]))
+    return metrics.specialisation(predicted.reshape(rows, cols), classes)
 
 
 def evaluate_run(run_dir, config=EvaluationConfig()):
@@ -69,20 +68,20 @@ def evaluate_run(run_dir, config=EvaluationConfig()):
     test_upper = batched(pipeline.upper_capsules, test_lower)
     train_upper = batched(lambda x: pipeline.upper_capsules(pipeline.lower_capsules(x)), train)
     reconstruction = batched(pipeline.decode_upper, test_upper)
+    test_lengths = np.linalg.norm(test_upper, axis=-1)
     capsules = {
         "reconstruction_mse": metrics.mse(test, reconstruction),
         "autoencoder_only_mse": metrics.mse(test, batched(pipeline.autoencoder, test)),
         "probe_accuracy_vectors": metrics.linear_probe(
             train_upper, train_labels, test_upper, test_labels),
         "probe_accuracy_lengths": metrics.linear_probe(
-            np.linalg.norm(train_upper, axis=-1), train_labels,
-            np.linalg.norm(test_upper, axis=-1), test_labels),
-        "mean_p_on_test": float(np.mean(np.linalg.norm(test_upper, axis=-1))),
-        "length_selectivity": metrics.class_selectivity(
-            np.linalg.norm(test_upper, axis=-1), test_labels, classes),
+            np.linalg.norm(train_upper, axis=-1), train_labels, test_lengths, test_labels),
+        "mean_p_on_test": float(np.mean(test_lengths)),
+        "length_selectivity": metrics.class_selectivity(test_lengths, test_labels, classes),
         # Does the whole capsule code keep the class? The reference classifier on
         # test images reconstructed through the capsule path.
-        "reconstruction_class_accuracy": _accuracy(classifier, reconstruction, test_labels),
+        "reconstruction_class_accuracy": float(np.mean(
+            _predict(classifier, reconstruction) == test_labels)),
     }
     sampler = CapsuleSampler(pipeline, seed=config.seed)
     for domain in (["full", "restricted"] if config.restricted else ["full"]):

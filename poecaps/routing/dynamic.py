@@ -135,7 +135,8 @@ class DynamicRouting(Routing):
             lambda: energy.vote_norms_j(x, kernel),
             lambda vj: safe_norm(vj)[:, :, None],
             uniform_sum=lambda: energy.uniform_sum_j(
-                x if activations is None else x * weight[0, :, :, None], kernel, uniform),
+                x if activations is None else x * ops.cast(activations, dtype)[:, :, None],
+                kernel, uniform),
         )
 
     def route_linear(self, x, kernel, activations=None):
