@@ -24,9 +24,12 @@ function below applies unchanged with the roles swapped (the `decoder_*`
 names say so).
 
 Layout: no function forms the `[B, I, J, D_out]` votes. Internally the
-upper-capsule axis leads (`cj [J, B, I]`, `zj [J, B, D_out]`) so that every
-contraction is one batched matmul over J with no transpose of a large
-tensor; `kernel_views` gives W as `[J, I*D_in, D_out]` and `[J, D_out, I*D_in]`.
+upper-capsule axis leads (`cj [J, B, I]`, `zj [J, B, D_out]`) and every
+contraction is a loop over J with one matmul per upper capsule, so that one
+capsule's intermediates (`c_ij x_i` or `W_ij^T v_j`, `[B, I*D_in]`: 2.4 MB at
+the paper's sizes) stay in cache instead of a `[J, B, I*D_in]` tensor (47 MB)
+going through memory; `kernel_views` gives W as `[J, I*D_in, D_out]` and
+`[J, D_out, I*D_in]`.
 """
 
 from keras import ops
@@ -53,30 +56,35 @@ def from_j_major(cj):
     return ops.transpose(cj, (1, 2, 0))
 
 
-def _weighted_inputs(x, cj):
-    """`c_ij x_i` as `[J, B, I*D_in]`."""
-    j, b, i = ops.shape(cj)[0], ops.shape(cj)[1], ops.shape(cj)[2]
-    # [J, B, I] x [B, I, D_in] -> [J, B, I, D_in]
-    return ops.reshape(cj[:, :, :, None] * x[None], (j, b, i * x.shape[-1]))
+def _weighted_input(c, x):
+    """One upper capsule's `c_ij x_i` as `[B, I*D_in]`; `c [B, I]`, `x [B, I, D_in]`."""
+    return ops.reshape(c[:, :, None] * x, (ops.shape(x)[0], -1))
+
+
+def _transpose_vote(v, w, d_in):
+    """One upper capsule's `W_ij^T v_j` for every i, `[B, I, D_in]`."""
+    # [B, D_out] x [D_out, I*D_in] -> [B, I*D_in]
+    return ops.reshape(ops.matmul(v, w), (ops.shape(v)[0], -1, d_in))
 
 
 def routed_sum_j(x, wr, cj):
-    """`z_j = sum_i c_ij W_ij x_i` as `[J, B, D_out]`."""
-    # [J, B, I*D_in] x [J, I*D_in, D_out] -> [J, B, D_out]
-    return ops.matmul(_weighted_inputs(x, cj), wr)
+    """`z_j = sum_i c_ij W_ij x_i` as `[J, B, D_out]`, one upper capsule at a time."""
+    # [B, I*D_in] x [I*D_in, D_out] -> [B, D_out], for each j
+    return ops.map(lambda cw: ops.matmul(_weighted_input(cw[0], x), cw[1]), (cj, wr))
 
 
-def transpose_votes_j(vj, wt, d_in):
-    """`W_ij^T v_j` for every pair, `[J, B, I, D_in]`."""
-    # [J, B, D_out] x [J, D_out, I*D_in] -> [J, B, I*D_in]
-    q = ops.matmul(vj, wt)
-    return ops.reshape(q, (ops.shape(q)[0], ops.shape(q)[1], -1, d_in))
+def vote_agreement_j(vj, wt, x):
+    """`v_j . W_ij x_i = (W_ij^T v_j) . x_i` for every pair, `[J, B, I]`."""
+    return ops.map(lambda vw: ops.sum(_transpose_vote(vw[0], vw[1], x.shape[-1]) * x, axis=-1), (vj, wt))
 
 
 def reconstruct_j(vj, wt, cj, d_in):
-    """`sum_j c_ij W_ij^T v_j`, `[B, I, D_in]`."""
-    # [J, B, I] x [J, B, I, D_in] -> [B, I, D_in]
-    return ops.sum(cj[:, :, :, None] * transpose_votes_j(vj, wt, d_in), axis=0)
+    """`sum_j c_ij W_ij^T v_j`, `[B, I, D_in]`, accumulated one upper capsule at a time."""
+    def add_one(j, total):
+        return total + cj[j][:, :, None] * _transpose_vote(vj[j], wt[j], d_in)
+
+    shape = (ops.shape(cj)[1], cj.shape[2], d_in)
+    return ops.fori_loop(0, vj.shape[0], add_one, ops.zeros(shape, dtype=vj.dtype))
 
 
 def mix_j(x, wr, wt, cj, steps=1, zj=None):
@@ -113,11 +121,15 @@ def cd_gradient_j(x, zj, cj, x_neg, zj_neg, cj_neg, sparsity=None):
     positive = scale(zj)
     if sparsity is not None:
         positive = positive + sparsity_pull_j(zj, *sparsity)
-    # Positive and negative phases share one matmul: stack them on the batch axis.
-    signed = ops.concatenate([positive, -scale(zj_neg)], axis=1)
-    weighted = ops.concatenate([_weighted_inputs(x, cj), _weighted_inputs(x_neg, cj_neg)], axis=1)
-    # [J, 2B, D_out] x [J, 2B, I*D_in] -> [J, D_out, I*D_in]
-    grad = ops.matmul(ops.transpose(signed, (0, 2, 1)), weighted)
+    negative = scale(zj_neg)
+
+    def one_capsule(args):
+        c, c_neg, pos, neg = args
+        # [D_out, B] x [B, I*D_in] -> [D_out, I*D_in], both phases
+        return (ops.matmul(ops.transpose(pos), _weighted_input(c, x))
+                - ops.matmul(ops.transpose(neg), _weighted_input(c_neg, x_neg)))
+
+    grad = ops.map(one_capsule, (cj, cj_neg, positive, negative))
     num_out, d_out = grad.shape[0], grad.shape[1]
     grad = ops.reshape(grad, (num_out, d_out, -1, x.shape[-1]))
     return 2.0 * ops.transpose(grad, (2, 0, 1, 3)) / ops.cast(ops.shape(x)[0], x.dtype)

@@ -10,6 +10,12 @@ AGREEMENTS = ("dot", "cosine")
 NORMALIZATIONS = ("parents", "children")
 
 
+def _softmax(logits, axis):
+    """Softmax written out, so that it needs no transpose along a leading axis (TF's does)."""
+    e = ops.exp(logits - ops.max(logits, axis=axis, keepdims=True))
+    return e / ops.sum(e, axis=axis, keepdims=True)
+
+
 @keras.saving.register_keras_serializable(package="poecaps")
 class DynamicRouting(Routing):
     """Routing by agreement with dot-product (Sabour) or cosine (Hauser) agreement.
@@ -52,7 +58,7 @@ class DynamicRouting(Routing):
 
     `route_linear(x, W)` gives the same result for linear votes
     `u_{j|i} = W_ij x_i` without ever forming the `[B, I, J, D]` votes: every
-    contraction becomes one batched matmul over the upper capsules.
+    contraction becomes one matmul per upper capsule.
     """
 
     def __init__(self, iterations=3, agreement="dot", normalize="parents", **kwargs):
@@ -73,7 +79,7 @@ class DynamicRouting(Routing):
         `uniform_sum()`, where given, is `weighted_sum` of the first round's
         uniform coefficients (the logits start at 0), computed without them.
         """
-        softmax = lambda b: ops.softmax(b, axis=softmax_axis)
+        softmax = lambda b: _softmax(b, softmax_axis)
         norms = vote_norms() if self.agreement == "cosine" and self.iterations else None
         for t in range(self.iterations):
             z = uniform_sum() if t == 0 and uniform_sum else weighted_sum(softmax(logits))
@@ -130,8 +136,7 @@ class DynamicRouting(Routing):
             ops.zeros((num_out, ops.shape(x)[0], num_in), dtype=dtype),
             0 if self.normalize == "parents" else 2,
             lambda cj: energy.routed_sum_j(x, wr, cj * weight),
-            # [J, B, I, D_in] x [B, I, D_in] -> [J, B, I]
-            lambda vj: ops.sum(energy.transpose_votes_j(vj, wt, d_in) * x[None], axis=-1),
+            lambda vj: energy.vote_agreement_j(vj, wt, x),
             lambda: energy.vote_norms_j(x, kernel),
             lambda vj: safe_norm(vj)[:, :, None],
             uniform_sum=lambda: energy.uniform_sum_j(
