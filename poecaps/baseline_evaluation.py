@@ -16,8 +16,8 @@ ROTATIONS = (0, 45, 90, 135, 180)
 class BaselineEvaluationConfig:
     """Settings of `scripts/baseline.py --evaluate-only` and of the evaluation after training."""
 
-    seed: int = 0
-    batch_size: int = 256
+    seed: int = 0                  # seeds the random affine transforms
+    batch_size: int = 256          # images per forward pass
     perturb_examples: int = 3      # test images for the Sabour Figure 4 perturbation plot
     test_limit: int | None = None  # evaluate on only this many test images
 

@@ -2,8 +2,13 @@
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 import typing
+
+# `name: type = default   # help text` in a config dataclass's source.
+_FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^=#]+=[^#]*#\s*(.+?)\s*$")
 
 
 def _parse_bool(text):
@@ -14,16 +19,34 @@ def _parse_bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def field_help(config_cls):
+    """Each field's help: `metadata["help"]` or the comment after its declaration.
+
+    Comments are read from the source of `config_cls` and of the dataclasses it
+    derives from, so a field is documented once, where it is declared.
+    """
+    comments = {}
+    for cls in reversed(config_cls.__mro__):
+        if dataclasses.is_dataclass(cls):
+            for line in inspect.getsource(cls).splitlines():
+                match = _FIELD_COMMENT.match(line)
+                if match:
+                    comments[match.group(1)] = match.group(2)
+    return {f.name: f.metadata.get("help", comments.get(f.name, ""))
+            for f in dataclasses.fields(config_cls)}
+
+
 def add_config_flags(parser, config_cls):
-    """Add `--field-name` for every field of `config_cls`, with its default and type."""
+    """Add `--field-name` for every field of `config_cls`, with its default, type and help."""
     hints = typing.get_type_hints(config_cls)
+    helps = field_help(config_cls)
     for field in dataclasses.fields(config_cls):
         kind = hints[field.name]
         if typing.get_origin(kind) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                             type=_parse_bool if kind is bool else kind, default=field.default,
-                            help=field.metadata.get("help", ""))
+                            help=helps[field.name])
 
 
 def config_from_args(config_cls, args):

@@ -19,9 +19,9 @@ from samplers import CapsuleSampler, RBMSampler
 class EvaluationConfig:
     """Settings of `scripts/evaluate.py`."""
 
-    seed: int = 0
+    seed: int = 0                  # seeds the reference classifier and the samples
     rows: int = 20                 # samples per capsule for specialisation
-    classifier_epochs: int = 3
+    classifier_epochs: int = 3     # reference classifier epochs (trained once per run)
     restricted: bool = True        # also report the restricted domain
 
 

@@ -11,20 +11,13 @@ from poecaps.guard import POLICIES
 class RunOptions:
     """How a run is kept safe and where it runs; none of these changes the model.
 
-    Fields:
-        save_every: checkpoint every this many steps as well as every epoch (0: epochs only).
-        on_nan: on a non-finite loss or weight, "stop" (after restoring the last
-            good state), "reduce-lr" (restore, halve the learning rate, go on) or "off".
-        strategy: "default" (one device), "mirrored" (all local GPUs or CPUs) or
-            "multiworker" (`TF_CONFIG`).
-        precision: "float32", "mixed_float16" or "mixed_bfloat16" (routing and
-            energies stay float32).
+    Each field's comment is its command-line help (`poecaps.cli.field_help`).
     """
 
-    save_every: int = 200
-    on_nan: str = "stop"
-    strategy: str = "default"
-    precision: str = "float32"
+    save_every: int = 200            # also checkpoint every this many steps (0: epochs only)
+    on_nan: str = "stop"             # on a NaN: "stop", "reduce-lr" (halve it, go on) or "off"
+    strategy: str = "default"        # "default" (one device), "mirrored" or "multiworker"
+    precision: str = "float32"       # "float32", "mixed_float16" or "mixed_bfloat16"
 
     def __post_init__(self):
         if self.save_every < 0:

@@ -28,6 +28,37 @@ def test_help(script):
         assert "--dataset" in out and "--data-dir" in out and "--stage" in out
 
 
+def test_every_config_flag_has_help():
+    from poecaps.baseline_evaluation import BaselineEvaluationConfig
+    from poecaps.cli import field_help
+    from poecaps.evaluation import EvaluationConfig
+    from trainers.baselines import BaselineConfig
+    from trainers.layerwise import LayerwiseConfig
+
+    for config in (LayerwiseConfig, BaselineConfig, EvaluationConfig, BaselineEvaluationConfig):
+        missing = [name for name, text in field_help(config).items() if not text]
+        assert not missing, f"{config.__name__} fields without a comment: {missing}"
+
+
+def test_field_help_reads_comments_of_the_class_and_its_bases():
+    import dataclasses
+
+    from poecaps.cli import field_help
+
+    @dataclasses.dataclass(frozen=True)
+    class Base:
+        depth: int = 2           # how deep
+        width: int = 3
+
+    @dataclasses.dataclass(frozen=True)
+    class Child(Base):
+        name: str | None = "a"   # what it is called
+        rate: float = dataclasses.field(default=0.5, metadata={"help": "from metadata"})
+
+    assert field_help(Child) == {"depth": "how deep", "width": "", "name": "what it is called",
+                                 "rate": "from metadata"}
+
+
 @pytest.mark.slow
 def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
     run = str(tmp_path / "run")

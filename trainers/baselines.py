@@ -28,16 +28,16 @@ ARCHITECTURE = ("model", "dataset", "limit", "seed", "routing_iterations", "reco
 class BaselineConfig(RunOptions):
     """Every setting of a baseline run (the papers' choices by default)."""
 
-    model: str = "capsnet"
-    dataset: str = "fashion_mnist"
-    data_dir: str | None = None
-    seed: int = 0
+    model: str = "capsnet"             # "capsnet" (dynamic routing) or "em" (matrix capsules)
+    dataset: str = "fashion_mnist"     # "mnist" or "fashion_mnist"
+    data_dir: str | None = None        # IDX folder (default: Debian path, then TFDS)
+    seed: int = 0                      # seeds weights, shuffling and augmentation
     limit: int | None = None           # use only this many training images
-    epochs: int = 1
-    batch_size: int = 128
+    epochs: int = 1                    # training epochs
+    batch_size: int = 128              # images per step
     routing_iterations: int = -1       # -1: the paper's (2 agreement updates for CapsNet, 3 EM rounds)
     reconstruction: bool = True        # CapsNet's reconstruction decoder and loss
-    learning_rate: float = 1e-3
+    learning_rate: float = 1e-3        # Adam's initial learning rate
     decay_rate: float = 0.96           # Adam's learning rate times this every epoch
     max_shift: int = 2                 # random shifts (CapsNet)
     em_size: str = "small"             # "small" (A=64, B=8, C=D=16) or "paper" (all 32)

@@ -38,45 +38,45 @@ ARCHITECTURE = ("dataset", "limit", "seed", "filters", "kernel_size", "strides",
 class LayerwiseConfig(RunOptions):
     """Every setting of a layer-wise run (the paper's sizes by default)."""
 
-    dataset: str = "fashion_mnist"
-    data_dir: str | None = None
-    seed: int = 0
+    dataset: str = "fashion_mnist"    # "mnist" or "fashion_mnist"
+    data_dir: str | None = None       # IDX folder (default: Debian path, then TFDS)
+    seed: int = 0                     # seeds weights, shuffling, dropout and sampling
     limit: int | None = None          # use only this many training images
-    batch_size: int = 128
+    batch_size: int = 128             # images per step, every stage
     heldout_size: int = 256           # test images for the free-energy gap
     # front end (section 4.1)
-    filters: int = 128
-    kernel_size: int = 9
-    strides: int = 2
-    dropout: float = 0.1
-    ae_epochs: int = 1
-    ae_learning_rate: float = 1e-3
-    capsule_dim: int = 8
+    filters: int = 128                # channels of both conv layers
+    kernel_size: int = 9              # square filter size
+    strides: int = 2                  # stride of the second conv layer
+    dropout: float = 0.1              # dropout rate after each conv layer
+    ae_epochs: int = 1                # autoencoder epochs
+    ae_learning_rate: float = 1e-3    # Adam learning rate of the autoencoder
+    capsule_dim: int = 8              # pose size of the primary (lower) capsules
     # capsule encoder / decoder (Algorithm 1)
-    num_capsules: int = 20
-    upper_dim: int = 16
-    routing_iterations: int = 3
-    agreement: str = "cosine"
+    num_capsules: int = 20            # upper capsules of the encoder
+    upper_dim: int = 16               # pose size of the upper capsules
+    routing_iterations: int = 3       # dynamic-routing agreement updates (0: uniform coefficients)
+    agreement: str = "cosine"         # "cosine" (Hauser) or "dot" (Sabour)
     center_code: bool = True          # subtract the mean code before forming capsules
     normalize: str = "parents"        # encoder coefficients: sum over parents (Sabour) or children (eq. 3)
-    encoder_epochs: int = 3
-    decoder_epochs: int = 3
-    cd_learning_rate: float = 0.1
-    decoder_learning_rate: float = 1.0
+    encoder_epochs: int = 3           # CD epochs of the capsule encoder (and of the RBM)
+    decoder_epochs: int = 3           # CD epochs of the capsule decoder
+    cd_learning_rate: float = 0.1     # SGD learning rate of the encoder
+    decoder_learning_rate: float = 1.0    # SGD learning rate of the decoder
     decay_rate: float = 0.9           # learning rate multiplied by this every epoch
-    momentum: float = 0.9
-    l2: float = 1e-4
-    cd_steps: int = 1
-    persistent: bool = False
+    momentum: float = 0.9             # SGD momentum of the CD stages
+    l2: float = 1e-4                  # L2 weight decay of the CD stages
+    cd_steps: int = 1                 # k of CD-k
+    persistent: bool = False          # persistent chains (PCD) instead of CD-k from the data
     decoder_init: str = "encoder_transpose"   # or "random"
     decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
-    jit_cd: bool = True
+    jit_cd: bool = True               # XLA for the CD stages (not the autoencoder)
     # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)
-    sparsity_target: float = 0.1
-    sparsity_cost: float = 0.0
+    sparsity_target: float = 0.1      # target mean P(on) of the encoder's upper capsules
+    sparsity_cost: float = 0.0        # weight of the sparsity penalty (0: off)
     # baseline
-    rbm_hidden: int = 20
-    rbm_learning_rate: float = 0.05
+    rbm_hidden: int = 20              # hidden units of the baseline Bernoulli RBM
+    rbm_learning_rate: float = 0.05   # SGD learning rate of the RBM
 
     def __post_init__(self):
         super().__post_init__()
