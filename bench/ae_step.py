@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras
 import numpy as np
-from common import best_seconds, dense_matmul_flops_per_s
+from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 
 from poecaps.layers import ConvAutoencoder
 from trainers.autoencoder import AutoencoderTrainer
@@ -71,7 +71,8 @@ def main():
                                repeats=args.repeats)
     print(f"reference (stock Keras layers): {ref_seconds * 1e3:7.1f} ms/step  "
           f"{args.batch / ref_seconds:6.1f} images/s")
-    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; convolutions: {flops / 1e9:.1f} GFLOP/step")
+    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; convolutions: {flops / 1e9:.1f} GFLOP/step; "
+          f"CPU allocator: {cpu_allocator()}")
     print(f"RESULT images_per_s={args.batch / seconds:.1f} vs_reference={ref_seconds / seconds:.2f} "
           f"matmul_fraction={flops / seconds / matmul:.3f}")
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras
 import tensorflow as tf
-from common import best_seconds, dense_matmul_flops_per_s
+from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
@@ -88,7 +88,8 @@ def main():
         ref = tf.function(lambda x: reference_cd_step(x, experts.kernel, args.iterations))
         reference = best_seconds(lambda: ref(x).numpy(), warmup=1, repeats=2)
         print(f"reference (tiled, no XLA): {reference * 1e3:7.1f} ms/step  {b / reference:7.0f} images/s")
-    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step")
+    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step; "
+          f"CPU allocator: {cpu_allocator()}")
     print(f"RESULT images_per_s={b / seconds:.0f} vs_reference={reference / seconds:.2f} "
           f"matmul_fraction={flops / seconds / matmul:.3f}")
 

@@ -25,3 +25,12 @@ def dense_matmul_flops_per_s(n=2048):
     a, b = tf.random.normal((n, n)), tf.random.normal((n, n))
     matmul = tf.function(lambda: tf.matmul(a, b))
     return 2 * n**3 / best_seconds(lambda: matmul().numpy())
+
+
+def cpu_allocator():
+    """"BFC" or "default": TensorFlow's CPU allocator in this process (see poecaps/__init__.py)."""
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")   # only BFC allocators keep statistics
+    except ValueError:
+        return "default"
+    return "BFC"

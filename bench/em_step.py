@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, dense_matmul_flops_per_s
+from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 
 from poecaps import losses
 from poecaps.layers.conv_capsules import capsule_patches
@@ -147,7 +147,8 @@ def main():
     reference = best_seconds(lambda: float(ref_step(images, labels)), warmup=1, repeats=args.repeats)
     print(f"reference (tiled votes, no XLA): {reference * 1e3:7.1f} ms/step  "
           f"{args.batch / reference:6.1f} images/s")
-    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step")
+    print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step; "
+          f"CPU allocator: {cpu_allocator()}")
     print(f"RESULT images_per_s={args.batch / seconds:.1f} vs_reference={reference / seconds:.2f} "
           f"matmul_fraction={flops / seconds / matmul:.3f}")
 
