@@ -83,10 +83,26 @@ def evaluate_run(run_dir, config=EvaluationConfig()):
         "reconstruction_class_accuracy": float(np.mean(
             _predict(classifier, reconstruction) == test_labels)),
     }
+    # Runs trained before the decoder stage stored the moments: same figure from the same data.
+    moments = pipeline.pose_moments
+    if moments is None:
+        moments = metrics.pose_second_moments(train_upper)
+        np.save(os.path.join(run.models, "pose_moments.npy"), moments.astype("float32"))
+    share = metrics.principal_share(moments)
+    capsules["pose_principal_share"] = {"per_capsule": [float(v) for v in share],
+                                        "mean": float(share.mean())}
     sampler = CapsuleSampler(pipeline, seed=config.seed)
     for domain in (["full", "restricted"] if config.restricted else ["full"]):
-        images = sampler.sample(config.rows, restricted=domain == "restricted")["images"]
+        restricted = domain == "restricted"
+        images = sampler.sample(config.rows, restricted=restricted)["images"]
         capsules[f"samples_{domain}"] = _specialisation(classifier, images, classes)
+        # Not the paper's sampler: draws from each capsule's own pose moments.
+        images = sampler.sample(config.rows, restricted=restricted, moments=moments)["images"]
+        capsules[f"samples_fitted_{domain}"] = _specialisation(classifier, images, classes)
+        figures.image_grid(images[:4], run.file(f"samples_fitted_{domain}.png"),
+                           title=f"One capsule drawn from N(0, M_j), {domain} domain "
+                                 "(not the paper's N(0, I)): one column per capsule",
+                           column_labels=range(images.shape[1]))
     result["poecaps"] = capsules
     shown = np.linspace(0, len(test) - 1, 12).astype(int)  # spread over classes
     figures.image_grid(np.stack([test[shown], reconstruction[shown]]), run.file("reconstructions.png"),

@@ -80,6 +80,42 @@ def specialisation(predicted, classes):
             "classes_covered": len(set(majority))}
 
 
+def pose_second_moments(upper):
+    """Each upper capsule's second moment `E[z_j z_j^T]` of its unsquashed pose, `[J, D, D]`.
+
+    `z_j = unsquash(x_j)` is the capsule's pre-activation (eq. 3), the space
+    that the Figure 2 sampler draws `y ~ N(0, I)` in before squashing. The
+    moment is not centred: a capsule whose poses lie on a line through the
+    origin, on both sides of it, has one large eigenvalue.
+
+    Args:
+        upper: `[N, J, D]` squashed upper capsules of training data.
+    """
+    from poecaps.capsules import unsquash
+
+    upper = np.asarray(upper)
+    if upper.ndim != 3 or len(upper) == 0:
+        raise ValueError(f"pose_second_moments needs upper capsules [N, J, D]. Received shape {upper.shape}")
+    z = np.asarray(keras.ops.convert_to_numpy(unsquash(upper.astype("float32"))), "float64")
+    return np.einsum("njd,nje->jde", z, z) / len(z)
+
+
+def principal_share(moments):
+    """Share of each capsule's second moment along its principal direction, `[J]`.
+
+    `lambda_max(M_j) / trace(M_j)`: 1 when the poses span one line, `1/D`
+    when they fill the D dimensions evenly. A draw `y ~ N(0, I_D)` puts on
+    average only `1/D` of its squared length on any one direction, so a
+    capsule with a share near 1 sees such draws mostly in directions its
+    training data never took.
+    """
+    moments = np.asarray(moments, "float64")
+    if moments.ndim != 3 or moments.shape[1] != moments.shape[2]:
+        raise ValueError(f"principal_share needs moments [J, D, D]. Received shape {moments.shape}")
+    eigenvalues = np.linalg.eigvalsh(moments)
+    return eigenvalues[:, -1] / np.maximum(np.trace(moments, axis1=1, axis2=2), 1e-30)
+
+
 def class_selectivity(activity, labels, classes):
     """How much each unit prefers one class, read from its activity on labelled data.
 

@@ -64,16 +64,19 @@ class CapsulePipeline:
         code_mean: `[H, W, C]` mean training code subtracted before the
             capsules are formed (the centering trick of Montavon and Mueller,
             2012), or None for the paper's uncentered capsules.
+        pose_moments: `[J, D, D]` second moment of each upper capsule's
+            unsquashed training poses (for the sampler's fitted domain), or None.
     """
 
     def __init__(self, autoencoder, encoder=None, decoder=None, capsule_dim=8,
-                 mean_directions=None, code_mean=None):
+                 mean_directions=None, code_mean=None, pose_moments=None):
         self.autoencoder = autoencoder
         self.encoder = encoder
         self.decoder = decoder
         self.capsule_dim = capsule_dim
         self.mean_directions = mean_directions
         self.code_mean = code_mean
+        self.pose_moments = pose_moments
 
     @property
     def num_upper(self):
@@ -111,7 +114,7 @@ class CapsulePipeline:
         for name in ("autoencoder", "encoder", "decoder"):
             if getattr(self, name) is not None:
                 save_layer(getattr(self, name), os.path.join(directory, f"{name}.npz"))
-        for name in ("mean_directions", "code_mean"):
+        for name in ("mean_directions", "code_mean", "pose_moments"):
             if getattr(self, name) is not None:
                 np.save(os.path.join(directory, f"{name}.npy"), getattr(self, name))
 
@@ -129,7 +132,7 @@ class CapsulePipeline:
             return np.load(path) if os.path.exists(path) else None
 
         return cls(autoencoder, maybe("encoder"), maybe("decoder"), capsule_dim,
-                   array("mean_directions"), array("code_mean"))
+                   array("mean_directions"), array("code_mean"), array("pose_moments"))
 
 
 class RunDir:

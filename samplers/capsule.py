@@ -16,6 +16,13 @@ class CapsuleSampler:
     flipped into the half of the sphere that training data visited,
     `y . m_j >= 0` for the mean training direction `m_j`.
 
+    With `moments` (each capsule's pose second moment `M_j = E[z_j z_j^T]`
+    on training data, `poecaps.metrics.pose_second_moments`) the draws are
+    `y ~ N(0, M_j)` instead, the "fitted" domain. This is not the paper's
+    sampler: it asks whether one capsule alone, drawn from where its own
+    training poses lie, decodes to a specific object, when the capsule uses
+    only a few of its D directions and isotropic draws mostly miss them.
+
     Args:
         pipeline: a trained `poecaps.runs.CapsulePipeline`.
         seed: seed of the draws.
@@ -28,11 +35,13 @@ class CapsuleSampler:
         self.pipeline = pipeline
         self.seed = seed
 
-    def sample(self, rows=4, restricted=False, batch_size=64):
+    def sample(self, rows=4, restricted=False, moments=None, batch_size=64):
         if rows < 1:
             raise ValueError(f"rows must be >= 1. Received: rows={rows}")
         num_caps, dim = self.pipeline.num_upper, self.pipeline.upper_dim
         draws = np.random.default_rng(self.seed).standard_normal((rows, num_caps, dim))
+        if moments is not None:
+            draws = np.einsum("rjd,jed->rje", draws, _square_roots(moments, num_caps, dim))
         draws = draws.astype("float32")
         if restricted:
             directions = self.pipeline.mean_directions
@@ -51,3 +60,16 @@ class CapsuleSampler:
         return {"images": images.reshape(rows, num_caps, *images.shape[1:]), "draws": draws}
 
 
+
+
+def _square_roots(moments, num_caps, dim):
+    """Symmetric square roots `S_j` with `S_j S_j^T = M_j`, `[J, D, D]`."""
+    moments = np.asarray(moments, "float64")
+    if moments.shape != (num_caps, dim, dim):
+        raise ValueError(f"moments must be [J, D, D] = {(num_caps, dim, dim)}. Received shape {moments.shape}")
+    if not np.allclose(moments, np.swapaxes(moments, 1, 2), rtol=1e-5, atol=1e-8):
+        raise ValueError("moments must be symmetric (second moments of the capsule poses).")
+    eigenvalues, vectors = np.linalg.eigh(moments)
+    if np.any(eigenvalues < -1e-6 * np.abs(eigenvalues).max(axis=-1, keepdims=True)):
+        raise ValueError("moments must be positive semi-definite (second moments of the capsule poses).")
+    return np.einsum("jde,je,jfe->jdf", vectors, np.sqrt(np.maximum(eigenvalues, 0.0)), vectors)

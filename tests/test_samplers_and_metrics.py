@@ -48,6 +48,51 @@ def test_restricted_domain_keeps_draws_on_the_training_half_sphere(pipeline):
     np.testing.assert_allclose(np.abs(full), np.abs(result["draws"]))  # only signs flip
 
 
+def test_fitted_domain_draws_have_the_given_second_moments(pipeline, rng):
+    """Draws from N(0, M_j): their empirical second moment is M_j within sampling error."""
+    factors = rng.normal(size=(3, 4, 4))
+    moments = np.einsum("jde,jfe->jdf", factors, factors)
+    moments[1] = np.diag([9.0, 0.0, 0.0, 0.0])          # singular: one direction only
+    draws = samples_draws(pipeline, rows=20000, moments=moments)
+    empirical = np.einsum("rjd,rje->jde", draws, draws) / len(draws)
+    scale = np.sqrt(np.einsum("jdd,jee->jde", moments, moments) + np.square(moments))  # std of z_d z_e
+    assert np.all(np.abs(empirical - moments) <= 5 * scale / np.sqrt(len(draws)) + 1e-6)
+    np.testing.assert_allclose(draws[:, 1, 1:], 0.0, atol=1e-6)
+
+
+def samples_draws(pipeline, rows, moments, restricted=False):
+    return samplers.CapsuleSampler(pipeline, seed=4).sample(rows=rows, restricted=restricted,
+                                                            moments=moments, batch_size=4096)["draws"]
+
+
+def test_fitted_domain_rejects_bad_moments(pipeline):
+    with pytest.raises(ValueError, match=r"\[J, D, D\]"):
+        samples_draws(pipeline, 2, np.eye(4)[None])
+    with pytest.raises(ValueError, match="symmetric"):
+        samples_draws(pipeline, 2, np.triu(np.ones((3, 4, 4))))
+    with pytest.raises(ValueError, match="semi-definite"):
+        samples_draws(pipeline, 2, -np.stack([np.eye(4)] * 3))
+
+
+def test_pose_second_moments_against_numpy_unsquash(rng):
+    z = rng.normal(size=(50, 3, 4))
+    sq = np.sum(z * z, axis=-1, keepdims=True)
+    upper = (sq / (1 + sq) * z / np.sqrt(sq)).astype("float32")      # squash, written out
+    expected = np.einsum("njd,nje->jde", z, z) / len(z)
+    np.testing.assert_allclose(metrics.pose_second_moments(upper), expected, rtol=2e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="N, J, D"):
+        metrics.pose_second_moments(upper[0])
+
+
+def test_principal_share_hand_computed():
+    moments = np.stack([np.diag([4.0, 1.0, 0.0]), np.eye(3), np.diag([0.0, 2.0, 0.0])])
+    np.testing.assert_allclose(metrics.principal_share(moments), [0.8, 1 / 3, 1.0])
+    rotation = np.linalg.qr(np.arange(9.0).reshape(3, 3) + np.eye(3))[0]
+    np.testing.assert_allclose(metrics.principal_share(rotation @ moments[:1] @ rotation.T), [0.8])
+    with pytest.raises(ValueError, match="J, D, D"):
+        metrics.principal_share(np.eye(3))
+
+
 def test_one_capsule_column_depends_only_on_that_capsule(pipeline):
     """Each column routes exactly one capsule down: others are zero."""
     sampler = samplers.CapsuleSampler(pipeline, seed=0)

@@ -71,7 +71,8 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
     assert "[decoder] done" in out and "stage_seconds" in out
     for name in ("config.json", "metrics.jsonl", "filters.png", "training_curves.png",
                  "models/autoencoder.npz", "models/encoder.npz", "models/decoder.npz",
-                 "models/rbm.npz", "models/code_mean.npy", "models/mean_directions.npy"):
+                 "models/rbm.npz", "models/code_mean.npy", "models/mean_directions.npy",
+                 "models/pose_moments.npy"):
         assert os.path.exists(os.path.join(run, name)), name
     resumed = _run("train_layerwise.py", *common, "--resume")
     assert resumed.count("already trained") == 4
@@ -82,16 +83,22 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
     assert images.shape == (3, 4, 28, 28, 1)
     assert 0.0 <= images.min() and images.max() <= 1.0
     assert os.path.exists(os.path.join(run, "samples.png"))
+    _run("sample.py", "--run-dir", run, "--rows", "2", "--fitted")
+    with np.load(os.path.join(run, "samples.npz")) as samples:
+        assert samples["images"].shape == (2, 4, 28, 28, 1)
+    assert os.path.exists(os.path.join(run, "samples_fitted_full.png"))
 
     out = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1")
     result = json.loads(out[out.index("{"):])
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == result
     for key in ("reconstruction_mse", "probe_accuracy_vectors", "probe_accuracy_lengths",
-                "samples_full", "samples_restricted"):
+                "samples_full", "samples_restricted", "samples_fitted_full", "samples_fitted_restricted"):
         assert key in result["poecaps"]
     assert 0.0 <= result["poecaps"]["samples_full"]["mean_purity"] <= 1.0
     assert 1 <= result["poecaps"]["samples_full"]["classes_covered"] <= 4
+    share = result["poecaps"]["pose_principal_share"]
+    assert len(share["per_capsule"]) == 4 and 0.25 - 1e-6 <= share["mean"] <= 1.0 + 1e-6
     assert result["rbm"]["hidden_units"] == 20
     assert os.path.exists(os.path.join(run, "reconstructions.png"))
 

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 from poecaps import data as data_lib
-from poecaps import distribute, figures
+from poecaps import distribute, figures, metrics
 from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
@@ -211,6 +211,8 @@ def train_stage(stage, config, run, train, test, resume=False):
         _fit(trainer, upper, config, run, stage, config.decoder_epochs, resume, y=targets)
         save_layer(decoder, os.path.join(run.models, "decoder.npz"))
         np.save(os.path.join(run.models, "mean_directions.npy"), directions.astype("float32"))
+        np.save(os.path.join(run.models, "pose_moments.npy"),
+                metrics.pose_second_moments(upper).astype("float32"))
     else:
         raise InputError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
 

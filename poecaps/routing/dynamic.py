@@ -129,7 +129,7 @@ class DynamicRouting(Routing):
         x, kernel = ops.cast(x, dtype), ops.cast(kernel, dtype)
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[None]
         wr, wt = energy.kernel_views(kernel)
-        num_in, num_out, _, d_in = kernel.shape
+        num_in, num_out = kernel.shape[:2]
         # The first round's coefficients are uniform: 1/J over parents or 1/I over children.
         uniform = 1.0 / (num_out if self.normalize == "parents" else num_in)
         return self._loop(
