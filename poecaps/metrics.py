@@ -3,6 +3,8 @@
 import keras
 import numpy as np
 
+from poecaps.capsules import unsquash
+
 
 def mse(images, reconstructions):
     """Mean squared pixel error."""
@@ -91,8 +93,6 @@ def pose_second_moments(upper):
     Args:
         upper: `[N, J, D]` squashed upper capsules of training data.
     """
-    from poecaps.capsules import unsquash
-
     upper = np.asarray(upper)
     if upper.ndim != 3 or len(upper) == 0:
         raise ValueError(f"pose_second_moments needs upper capsules [N, J, D]. Received shape {upper.shape}")

@@ -60,8 +60,6 @@ class CapsuleSampler:
         return {"images": images.reshape(rows, num_caps, *images.shape[1:]), "draws": draws}
 
 
-
-
 def _square_roots(moments, num_caps, dim):
     """Symmetric square roots `S_j` with `S_j S_j^T = M_j`, `[J, D, D]`."""
     moments = np.asarray(moments, "float64")
