@@ -3,9 +3,12 @@
 Batch 128, 576 8-D capsules to 20 16-D, 3 iterations of cosine routing. The
 reference does what the original capsule code does: tiled votes
 `[B, I, J, D_out, D_in]` and per-example outer products for the update.
-Last line: RESULT images_per_s=<n> vs_reference=<ratio> matmul_fraction=<f>,
-where matmul_fraction = achieved FLOP/s (the algorithm's contractions) /
-dense-matmul FLOP/s measured in the same run.
+poecaps is timed three ways: one TensorFlow graph, one XLA computation, and
+the batch cut into `--shards` parts, each its own XLA computation, in one
+graph that runs them at the same time (what `CDTrainer(shards=...)` does);
+the best counts. Last line: RESULT images_per_s=<n> vs_reference=<ratio>
+matmul_fraction=<f>, where matmul_fraction = achieved FLOP/s (the
+algorithm's contractions) / dense-matmul FLOP/s measured in the same run.
 """
 
 import argparse
@@ -21,6 +24,7 @@ from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
 from poecaps.routing import DynamicRouting
+from trainers.cd import sharded_cd_step
 
 
 def reference_cd_step(x, w, iterations):
@@ -65,6 +69,7 @@ def main():
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--shards", type=int, default=2, help="parts of the batch in the sharded timing")
     p.add_argument("--skip-reference", action="store_true")
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)
@@ -74,12 +79,17 @@ def main():
     experts.build((None, i, d_in))
     matmul = dense_matmul_flops_per_s()
     flops = algorithm_flops(b, i, j, d_in, d_out, args.iterations)
+    one_shard = tf.function(lambda x, chain, hidden: experts.cd_gradients(x), jit_compile=True)
+    steps = {
+        "graph": tf.function(lambda x: experts.cd_gradients(x)[0][0]),
+        "XLA": tf.function(lambda x: experts.cd_gradients(x)[0][0], jit_compile=True),
+        f"{args.shards} XLA shards": tf.function(lambda x: sharded_cd_step(one_shard, x, args.shards)[0][0]),
+    }
     results = {}
-    for jit in (False, True):
-        step = tf.function(lambda x: experts.cd_gradients(x)[0][0], jit_compile=jit)
+    for name, step in steps.items():
         seconds = best_seconds(lambda step=step: step(x).numpy(), repeats=args.repeats)
-        results[jit] = seconds
-        print(f"poecaps   jit_compile={jit!s:5}: {seconds * 1e3:7.1f} ms/step  "
+        results[name] = seconds
+        print(f"poecaps, {name:13}: {seconds * 1e3:7.1f} ms/step  "
               f"{b / seconds:7.0f} images/s  {flops / seconds / 1e9:5.1f} GFLOP/s", flush=True)
     seconds = min(results.values())
     if args.skip_reference:

@@ -6,12 +6,20 @@ from keras import ops
 
 from poecaps import energy
 from poecaps.capsules import squash, unsquash
+from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
 from poecaps.rbm import BernoulliRBM
 from poecaps.routing import DynamicRouting
 from trainers.autoencoder import AutoencoderTrainer
-from trainers.cd import CDTrainer, FreeEnergyGap, cd_step, default_optimizer
+from trainers.cd import (
+    CDTrainer,
+    FreeEnergyGap,
+    cd_step,
+    default_optimizer,
+    shard_bounds,
+    sharded_cd_step,
+)
 
 
 def _capsules(rng, n, num, dim, scale=2.0):
@@ -108,7 +116,66 @@ def test_rbm_trainer_learns(rng):
     assert errors[-1] < errors[0]
 
 
+def test_shard_bounds_cut_the_batch_into_near_equal_consecutive_parts():
+    assert shard_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert shard_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+    dynamic = shard_bounds(tf.constant(7), 3)
+    assert [(int(a), int(b)) for a, b in dynamic] == [(0, 3), (3, 5), (5, 7)]
+
+
+@pytest.mark.parametrize("shards, batch", [(2, 7), (3, 7), (4, 2)])
+@pytest.mark.parametrize("static", [True, False])
+def test_sharded_cd_step_equals_the_whole_batch_step(rng, shards, batch, static):
+    """Size-weighted shard means are the batch mean; empty shards (batch < shards) weigh 0."""
+    x, lower = _capsules(rng, batch, 6, 3), _capsules(rng, batch, 5, 2)
+    layer = _experts(6, 3, 5, 2, normalize="children")
+    expected = cd_step(layer, x, l2=0.1, hidden=lower)
+    step = lambda x, chain, hidden: cd_step(layer, x, chain=chain, l2=0.1, hidden=hidden)
+    n = batch if static else None
+    sharded = tf.function(lambda x, h: sharded_cd_step(step, x, shards, hidden=h),
+                          input_signature=[tf.TensorSpec((n, 6, 3)), tf.TensorSpec((n, 5, 2))])
+    grads, negatives, stats = sharded(x, lower)
+    np.testing.assert_allclose(grads[0].numpy(), ops.convert_to_numpy(expected[0][0]), rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(negatives.numpy(), ops.convert_to_numpy(expected[1]), rtol=1e-5, atol=1e-7)
+    for key, value in expected[2].items():
+        np.testing.assert_allclose(stats[key].numpy(), ops.convert_to_numpy(value), rtol=1e-5, atol=1e-7)
+
+
+def test_sharded_trainer_takes_the_same_steps_as_the_whole_batch_one(rng):
+    """Two epochs (batches of 16 and a last one of 8) with 1 and 3 shards end at the same weights."""
+    x = _capsules(rng, 40, 6, 3)
+    kernels, histories = [], []
+    for shards in (1, 3):
+        layer = _experts(6, 3, 3, 4)
+        trainer = CDTrainer(layer, l2=1e-3, shards=shards)
+        trainer.compile(optimizer=default_optimizer(0.5, 10), jit_compile=True)
+        histories.append(trainer.fit(x, epochs=2, batch_size=16, shuffle=False, verbose=0).history)
+        kernels.append(ops.convert_to_numpy(layer.kernel))
+    assert not np.allclose(kernels[0], ops.convert_to_numpy(_experts(6, 3, 3, 4).kernel))
+    np.testing.assert_allclose(kernels[1], kernels[0], rtol=1e-4, atol=1e-6)
+    for key in histories[0]:
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-4)
+
+
+def test_sharded_trainer_keeps_persistent_chains(rng):
+    x = _capsules(rng, 32, 6, 3)
+    chains = []
+    for shards in (1, 2):
+        trainer = CDTrainer(_experts(6, 3, 2, 4), persistent=True, chain_shape=(8, 6, 3), seed=3,
+                            shards=shards)
+        trainer.compile(optimizer=default_optimizer(0.05, 10))
+        trainer.fit(x, epochs=1, batch_size=8, shuffle=False, verbose=0)
+        chains.append(ops.convert_to_numpy(trainer.chain))
+    np.testing.assert_allclose(chains[1], chains[0], rtol=1e-4, atol=1e-6)
+
+
+def test_sharding_is_refused_for_a_model_that_draws_random_numbers():
+    with pytest.raises(InputError, match="seed generator"):
+        CDTrainer(BernoulliRBM(2), shards=2)
+
+
 @pytest.mark.parametrize("kwargs, message", [
+    ({"shards": 0}, "shards=0"), ({"shards": 1.5}, "shards=1.5"),
     ({"steps": 0}, "steps=0"), ({"l2": -1.0}, "l2=-1.0"), ({"persistent": True}, "chain_shape=None")])
 def test_cd_trainer_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

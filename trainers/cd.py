@@ -1,6 +1,9 @@
 """Contrastive-divergence trainer for any energy model (Hauser Algorithm 1)."""
 
+import itertools
+
 import keras
+import tensorflow as tf
 from keras import ops
 
 from poecaps import distribute
@@ -22,6 +25,64 @@ def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
                                                   sparsity=sparsity)
     grads = [-g + l2 * w for g, w in zip(ascent, model.trainable_weights)]
     return grads, negatives, stats
+
+
+def shard_bounds(n, shards):
+    """`[(start, end)]` of `shards` consecutive, near-equal parts of `n` rows (the first get one more).
+
+    `n` may be a Python int or a scalar tensor (a batch size known only at run time).
+    """
+    size, extra = n // shards, n % shards
+    smaller = min if isinstance(n, int) else ops.minimum
+    starts = [k * size + smaller(k, extra) for k in range(shards + 1)]
+    return list(itertools.pairwise(starts))
+
+
+def sharded_cd_step(step, x, shards, chain=None, hidden=None):
+    """`step(x, chain, hidden) -> (grads, negatives, stats)` on `shards` parts of the batch, combined.
+
+    The gradients are batch means, so the whole batch's is the mean of the
+    shards' weighted by their sizes (an empty shard, when the batch is
+    smaller than `shards`, weighs 0); negatives and statistics are per
+    example and are concatenated. `hidden` is cut like `x`, a persistent
+    chain by its own length.
+    """
+    n = _batch_size(x)
+    bounds = shard_bounds(n, shards)
+    chain_bounds = bounds if chain is None else shard_bounds(_batch_size(chain), shards)
+    if isinstance(n, int):     # known when traced: leave empty shards out
+        kept = [k for k, (a, b) in enumerate(bounds) if b > a]
+        bounds, chain_bounds = [bounds[k] for k in kept], [chain_bounds[k] for k in kept]
+    parts = [step(x[a:b], None if chain is None else chain[c:d], None if hidden is None else hidden[a:b])
+             for (a, b), (c, d) in zip(bounds, chain_bounds)]
+
+    def weighted(g, a, b):
+        if isinstance(n, int):
+            return g * ((b - a) / n)
+        # an empty shard's mean is NaN (0 / 0); it weighs 0
+        return ops.where(b > a, g, 0.0) * (ops.cast(b - a, g.dtype) / ops.cast(n, g.dtype))
+
+    grads = [sum(weighted(part[0][k], a, b) for part, (a, b) in zip(parts, bounds))
+             for k in range(len(parts[0][0]))]
+    negatives = ops.concatenate([part[1] for part in parts], axis=0)
+    stats = {key: ops.concatenate([part[2][key] for part in parts], axis=0) for key in parts[0][2]}
+    return grads, negatives, stats
+
+
+def default_cd_shards():
+    """2 where TensorFlow sees no GPU, else 1.
+
+    XLA on a CPU runs one computation's element-wise work on one core; two
+    shards of the batch as two computations can use both cores of a 2-core
+    machine (`bench/cd_step.py` here: 1.0 to 1.4x the whole-batch XLA step,
+    by how the host schedules the two virtual CPUs; never slower). On a GPU
+    one computation fills the device already (not measured: no GPU lent).
+    """
+    return 1 if tf.config.list_physical_devices("GPU") else 2
+
+
+def _batch_size(x):
+    return x.shape[0] if x.shape[0] is not None else ops.shape(x)[0]
 
 
 def default_optimizer(learning_rate=0.05, decay_steps=1000, decay_rate=0.95, momentum=0.9):
@@ -58,14 +119,31 @@ class CDTrainer(keras.Model):
         sparsity_target, sparsity_cost: with a cost > 0, the update also
             descends `cost sum_j (q_j - target)^2`, `q_j` the batch's mean
             probability that hidden unit j is on (per replica under a
-            strategy); cost 0 (default) turns it off.
+            strategy, per shard with `shards > 1`); cost 0 (default) turns
+            it off.
+        shards: cut each batch into this many near-equal parts, each a CD
+            step compiled by XLA on its own, which TensorFlow's executor runs
+            at the same time on different cores (XLA runs one computation's
+            element-wise work on one core). The update is the same as the
+            whole batch's (a size-weighted mean of the shards' means), bar
+            the sparsity penalty's `q_j`. With `shards > 1` the trainer
+            itself is never XLA-compiled, whatever `compile(jit_compile=...)`
+            says: one XLA computation would run the shards one after the
+            other. Not for models that draw random numbers (the RBM's Gibbs
+            sampler): concurrent shards would share its seed generator.
     """
 
     def __init__(self, model, preprocess=None, steps=1, persistent=False, chain_shape=None,
-                 l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, **kwargs):
+                 l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, shards=1,
+                 **kwargs):
         super().__init__(**kwargs)
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"CD needs steps >= 1. Received: steps={steps!r}")
+        if not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be an integer >= 1. Received: shards={shards!r}")
+        if shards > 1 and getattr(model, "draws_random_numbers", False):
+            raise InputError(f"{type(model).__name__} draws random numbers from one seed generator, which "
+                             f"concurrent shards would share; use shards=1. Received: shards={shards}")
         if l2 < 0:
             raise ValueError(f"l2 must be >= 0. Received: l2={l2}")
         if persistent and chain_shape is None:
@@ -82,6 +160,8 @@ class CDTrainer(keras.Model):
         self.steps = steps
         self.persistent = persistent
         self.l2 = l2
+        self.shards = shards
+        self._shard_step = tf.function(self._one_shard, jit_compile=True) if shards > 1 else None
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.chain = None
         if persistent:
@@ -91,6 +171,10 @@ class CDTrainer(keras.Model):
         self.heldout = None if heldout is None else ops.convert_to_numpy(self.preprocess(heldout))
         self.trackers = {name: keras.metrics.Mean(name=name)
                          for name in ("reconstruction_error", "p_on", "free_energy")}
+
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        # With shards, each shard is its own XLA computation (see the class docstring).
+        super().compile(*args, jit_compile=False if self.shards > 1 else jit_compile, **kwargs)
 
     @property
     def metrics(self):
@@ -125,8 +209,10 @@ class CDTrainer(keras.Model):
         # (visible, hidden) pairs clamp the hidden layer in the positive phase.
         hidden = data[1] if isinstance(data, (tuple, list)) and len(data) > 1 else None
         chain = None if self.chain is None else ops.convert_to_tensor(self.chain)
-        grads, negatives, stats = cd_step(self.energy_model, x, self.steps, chain, self.l2, hidden,
-                                          self.sparsity)
+        if self._shard_step is None:
+            grads, negatives, stats = self._one_shard(x, chain, hidden)
+        else:
+            grads, negatives, stats = sharded_cd_step(self._shard_step, x, self.shards, chain, hidden)
         # Each replica's statistics average its share of the batch; Keras sums replicas' gradients.
         scale = distribute.replica_scale()
         grads = [g * scale for g in grads]
@@ -134,6 +220,9 @@ class CDTrainer(keras.Model):
         if self.chain is not None:
             self.chain.assign(negatives)
         return self._update_metrics(x, stats)
+
+    def _one_shard(self, x, chain, hidden):
+        return cd_step(self.energy_model, x, self.steps, chain, self.l2, hidden, self.sparsity)
 
     def test_step(self, data):
         x = self._visible(data)

@@ -26,7 +26,7 @@ from poecaps.run_options import RunOptions
 from poecaps.runs import CapsulePipeline, RunDir, batched, build_layer, load_layer, save_layer
 from poecaps.validation import check_images
 from trainers.autoencoder import AutoencoderTrainer
-from trainers.cd import CDTrainer, FreeEnergyGap, default_optimizer
+from trainers.cd import CDTrainer, FreeEnergyGap, default_cd_shards, default_optimizer
 
 STAGES = ("autoencoder", "encoder", "decoder", "rbm")
 # Settings that fix the data or a component's shape: a resumed run must keep them.
@@ -71,6 +71,7 @@ class LayerwiseConfig(RunOptions):
     decoder_init: str = "encoder_transpose"   # or "random"
     decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
     jit_cd: bool = True               # XLA for the CD stages (not the autoencoder)
+    cd_shards: int | None = None      # capsule CD steps in this many concurrent XLA parts (default: 2 on a CPU, 1 with a GPU; needs --jit-cd)
     # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)
     sparsity_target: float = 0.1      # target mean P(on) of the encoder's upper capsules
     sparsity_cost: float = 0.0        # weight of the sparsity penalty (0: off)
@@ -95,6 +96,9 @@ class LayerwiseConfig(RunOptions):
         if not 0.0 < self.sparsity_target < 1.0 or self.sparsity_cost < 0:
             raise InputError(f"sparsity_target must be in (0, 1) and sparsity_cost >= 0. Received: "
                              f"sparsity_target={self.sparsity_target}, sparsity_cost={self.sparsity_cost}")
+        if self.cd_shards is not None and (self.cd_shards < 1 or (self.cd_shards > 1 and not self.jit_cd)):
+            raise InputError(f"cd_shards must be >= 1, and 1 without jit_cd (each shard is an XLA "
+                             f"computation). Received: cd_shards={self.cd_shards}, jit_cd={self.jit_cd}")
         if self.decoder_rule not in ("clamped", "mirror"):
             raise InputError(f"decoder_rule must be 'clamped' or 'mirror'. "
                              f"Received: decoder_rule={self.decoder_rule!r}")
@@ -147,10 +151,13 @@ def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, 
 
 
 def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, sparsity_cost=0.0):
+    shards = 1
+    if config.jit_cd:
+        shards = default_cd_shards() if config.cd_shards is None else config.cd_shards
     trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
                         chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
                         l2=config.l2, heldout=heldout, seed=config.seed,
-                        sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost)
+                        sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost, shards=shards)
     trainer.compile(optimizer=default_optimizer(learning_rate, steps_per_epoch, config.decay_rate,
                                                 config.momentum),
                     jit_compile=config.jit_cd)
