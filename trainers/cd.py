@@ -74,8 +74,8 @@ def default_cd_shards():
 
     XLA on a CPU runs one computation's element-wise work on one core; two
     shards of the batch as two computations can use both cores of a 2-core
-    machine (`bench/cd_step.py` here: 1.0 to 1.4x the whole-batch XLA step,
-    by how the host schedules the two virtual CPUs; never slower). On a GPU
+    machine (`bench/cd_step.py` here: 0.99 to 1.4x the whole-batch XLA step,
+    by how the host schedules the two virtual CPUs). On a GPU
     one computation fills the device already (not measured: no GPU lent).
     """
     return 1 if tf.config.list_physical_devices("GPU") else 2
