@@ -27,14 +27,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "resume_run.py")
 
 
-def _capsule_trainer(seed=0, num_out=3):
+def _capsule_trainer(seed=0, num_out=3, shards=1):
     keras.utils.set_random_seed(seed)
     model = CapsuleExperts(num_out, 5, routing=DynamicRouting(2, "cosine"),
                            kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=seed))
     model.build((None, 10, 4))
-    trainer = CDTrainer(model, seed=seed)
+    trainer = CDTrainer(model, seed=seed, shards=shards)
     trainer.compile(optimizer=default_optimizer(0.05, 6, 0.9, 0.9))
     return trainer
+
+
+def _sharded_capsule_trainer(seed=0):
+    return _capsule_trainer(seed, shards=2)
 
 
 def _rbm_trainer(seed=0):
@@ -73,7 +77,8 @@ def test_epoch_batches_cover_each_epoch_once_in_a_seeded_order():
     assert not np.array_equal(epoch_order(3, 2, 21), epoch_order(3, 3, 21))
 
 
-@pytest.mark.parametrize("make, data", [(_capsule_trainer, "capsules"), (_rbm_trainer, "binary")])
+@pytest.mark.parametrize("make, data", [(_capsule_trainer, "capsules"), (_sharded_capsule_trainer, "capsules"),
+                                        (_rbm_trainer, "binary")])
 def test_resuming_mid_epoch_reaches_the_uninterrupted_weights(tmp_path, make, data, request):
     """Stop after 1 epoch plus 4 steps (by dropping later checkpoints), resume, compare."""
     x = request.getfixturevalue(data)
