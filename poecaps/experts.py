@@ -26,7 +26,11 @@ class EnergyModel:
     the ascent direction of the sparsity penalty `cost sum_j (q_j - target)^2`
     on the batch's mean probabilities `q_j = mean_b P(h_j = 1 | x_b)` (Lee,
     Ekanadham and Ng 2008; Hinton's practical guide to RBMs, section 11).
+    `draws_random_numbers` says whether `cd_gradients` draws from the model's
+    seed generator (then `CDTrainer` cannot run it in concurrent shards).
     """
+
+    draws_random_numbers = False
 
     def cd_gradients(self, x, steps=1, chain=None, hidden=None, sparsity=None):
         if not isinstance(steps, int) or steps < 1:

@@ -30,7 +30,7 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
         `[B, num_hidden]` hidden probabilities.
     """
 
-    draws_random_numbers = True   # the Gibbs sampler (CDTrainer cannot shard it)
+    draws_random_numbers = True   # the Gibbs sampler (see EnergyModel)
 
     def __init__(self, num_hidden, seed=None, **kwargs):
         kwargs.setdefault("dtype", "float32")   # energies stay float32 under mixed precision
