@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 from poecaps import transforms
@@ -173,3 +174,47 @@ def test_shift_equals_a_numpy_reference_and_compiles_with_xla(rng):
     seed = keras.random.SeedGenerator(2)
     shifted = tf.function(lambda x: transforms.random_shift(x, 2, seed=seed), jit_compile=True)(images)
     assert shifted.shape == images.shape
+
+
+@pytest.mark.parametrize("routing_name, pose", [("em", "matrix"), ("dynamic", "vector")])
+@pytest.mark.parametrize("chunk_size", [4, 5, 100])
+@pytest.mark.parametrize("jit_compile", [None, False, True])
+def test_chunked_routing_equals_whole_batch(rng, routing_name, pose, chunk_size, jit_compile):
+    # 3 x 3 x 3 = 27 receptive fields: chunks of 4 and 5 leave a padded last chunk, 100 one chunk.
+    x = rng.normal(size=(3, 7, 7, 2, 16)).astype("float32")
+    act = rng.uniform(0.1, 1.0, size=(3, 7, 7, 2)).astype("float32")
+    weights = [rng.normal(size=shape).astype("float32")
+               for shape in ((3, 3, 3, 3, 16), (3, 3, 3, 3), (3, 3, 3, 18, 3))]
+    results = []
+    for chunk in (None, chunk_size):
+        make = (lambda: EMRouting(3, 1.0, cost_normalization="standardize")) if routing_name == "em" \
+            else (lambda: DynamicRouting(2))
+        layer = ConvCapsules(3, 16, 3, 2, routing=make(), pose=pose, chunk_size=chunk)
+        layer.build(x.shape)
+        layer.kernel.assign(rng.normal(size=layer.kernel.shape).astype("float32") * 0.3
+                            if chunk is None else results[0][-1])
+
+        def loss_and_grads(layer=layer):
+            xs, acts = tf.constant(x), tf.constant(act)
+            with tf.GradientTape() as tape:
+                tape.watch([xs, acts])
+                result = layer.route(xs, acts)
+                loss = sum(tf.reduce_sum(w * t) for w, t in zip(weights, result))
+            grads = tape.gradient(loss, [xs, acts] + layer.trainable_variables,
+                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            return [*result, *grads]
+
+        run = loss_and_grads if jit_compile is None else tf.function(loss_and_grads,
+                                                                     jit_compile=jit_compile)
+        results.append([t.numpy() for t in run()] + [layer.kernel.numpy()])
+    for chunked, whole in zip(results[1][:-1], results[0][:-1]):
+        scale = np.abs(whole).max()
+        np.testing.assert_allclose(chunked, whole, rtol=0, atol=5e-5 * max(scale, 1e-6))
+
+
+def test_chunk_size_is_checked_and_serialised():
+    with pytest.raises(ValueError, match="chunk_size must be None or a positive integer"):
+        ConvCapsules(3, 16, chunk_size=0)
+    layer = ConvCapsules(3, 16, chunk_size=7)
+    again = ConvCapsules.from_config(layer.get_config())
+    assert again.chunk_size == 7

@@ -20,7 +20,7 @@ def _tiny_capsnet(**kwargs):
 def _tiny_em(**kwargs):
     args = {"image_shape": (20, 20, 1), "num_classes": 4, "routing_iterations": 2, "a": 8,
             "b": 2, "c": 3, "d": 3, "final_lambda": 0.05, "cost_normalization": "none",
-            "margin_steps": 7, "max_shift": 1, "seed": 2}
+            "margin_steps": 7, "chunk_capsules": 40, "max_shift": 1, "seed": 2}
     return MatrixCapsNet(**{**args, **kwargs})
 
 

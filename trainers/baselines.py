@@ -16,7 +16,7 @@ from poecaps.resumable import fit_resumable
 from poecaps.run_options import RunOptions
 from poecaps.runs import RunDir
 from poecaps.validation import check_images
-from trainers.supervised import CapsNet, MatrixCapsNet
+from trainers.supervised import CHUNK_CAPSULES, CapsNet, MatrixCapsNet
 
 MODELS = ("capsnet", "em")
 # Settings that fix the data or the model's shape: a resumed run must keep them.
@@ -99,6 +99,7 @@ def build_model(config, image_shape, num_classes, steps_per_epoch):
     return MatrixCapsNet(image_shape, num_classes, routing_iterations=config.iterations,
                          final_lambda=final_lambda, cost_normalization=config.em_cost_normalization,
                          margin_steps=max(1, config.epochs * steps_per_epoch), max_shift=0,
+                         chunk_capsules=CHUNK_CAPSULES if config.xla else None,  # chunks pay under XLA
                          seed=config.seed, **sizes)
 
 

@@ -27,6 +27,10 @@ from poecaps.layers import (
 from poecaps.routing import DynamicRouting, EMRouting
 from poecaps.validation import check_images, check_labels
 
+# Lower capsules per chunk in MatrixCapsNet's convolutional capsule layers: the
+# chunk's votes, 1024 x J x 16 floats, stay in cache (bench/em_step.py; README.md).
+CHUNK_CAPSULES = 1024
+
 
 class _Classifier(keras.Model):
     """Training loop shared by the baselines: augmentation, loss terms as metrics, accuracy."""
@@ -225,24 +229,36 @@ class MatrixCapsNet(_Classifier):
             from 7.13 to 6.81 with the paper's, whose activations saturate
             together.
         margin_steps: steps over which the spread-loss margin rises.
+        chunk_capsules: lower capsules whose votes and routing are computed
+            together in ConvCaps1 and ConvCaps2: each layer routes
+            `max(1, chunk_capsules // (9 * types in))` receptive fields at a
+            time (`ConvCapsules(chunk_size=...)`); None for all at once.
+            Chunks pay under XLA (`scripts/baseline.py`'s default for EM:
+            train step 0.85-1.02 s -> 0.63-0.65 s in `bench/em_step.py`);
+            without XLA they cost (1.19-1.33 s -> 1.52-1.75 s), so pass
+            None there.
         max_shift, seed: as `CapsNet`.
     """
 
     def __init__(self, image_shape, num_classes, routing_iterations=3, a=64, b=8, c=16, d=16,
                  final_lambda=1.0, cost_normalization="standardize", margin_steps=10000,
-                 max_shift=0, seed=0, **kwargs):
+                 chunk_capsules=CHUNK_CAPSULES, max_shift=0, seed=0, **kwargs):
         super().__init__(image_shape, num_classes, max_shift, seed, **kwargs)
         self.routing_iterations = routing_iterations
         self.a, self.b, self.c, self.d = a, b, c, d
         self.final_lambda = final_lambda
         self.cost_normalization = cost_normalization
         self.margin_steps = margin_steps
+        self.chunk_capsules = chunk_capsules
+        chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
         em = lambda name: EMRouting(routing_iterations, final_lambda,
                                     cost_normalization=cost_normalization, name=name)
         self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1")
         self.primary = PrimaryMatrixCapsules(b, name="primary_capsules")
-        self.conv_caps1 = ConvCapsules(c, 16, 3, 2, routing=em("em1"), name="conv_caps1")
-        self.conv_caps2 = ConvCapsules(d, 16, 3, 1, routing=em("em2"), name="conv_caps2")
+        self.conv_caps1 = ConvCapsules(c, 16, 3, 2, routing=em("em1"), chunk_size=chunk(b),
+                                       name="conv_caps1")
+        self.conv_caps2 = ConvCapsules(d, 16, 3, 1, routing=em("em2"), chunk_size=chunk(c),
+                                       name="conv_caps2")
         self.class_capsules = ClassCapsules(num_classes, 16, routing=em("em3"),
                                             name="class_capsules")
         self._term_trackers = {"spread_loss": keras.metrics.Mean(name="spread_loss"),
@@ -271,5 +287,6 @@ class MatrixCapsNet(_Classifier):
         config = super().get_config()
         config.update(routing_iterations=self.routing_iterations, a=self.a, b=self.b, c=self.c,
                       d=self.d, final_lambda=self.final_lambda,
-                      cost_normalization=self.cost_normalization, margin_steps=self.margin_steps)
+                      cost_normalization=self.cost_normalization, margin_steps=self.margin_steps,
+                      chunk_capsules=self.chunk_capsules)
         return config

@@ -8,6 +8,7 @@ import keras
 from keras import ops
 
 from poecaps import routing as routing_lib
+from poecaps.chunks import map_in_chunks
 from poecaps.layers.capsule_dense import capsule_votes, kernel_shape, pose_size
 from poecaps.routing.base import RoutingResult
 
@@ -91,6 +92,11 @@ class ConvCapsules(_CapsuleMapLayer):
         routing: routing name, config or instance (default EM).
         pose: "matrix" or "vector".
         kernel_initializer: initializer of W.
+        chunk_size: None (votes and routing for the whole folded batch at
+            once) or the number of receptive fields whose votes and routing
+            are computed together (`poecaps.chunks.map_in_chunks`, the
+            gradient recomputing each chunk): the `[chunk, I, J, D]` votes
+            stay in the CPU's caches. Same result to rounding (float32).
 
     Call arguments:
         inputs: `[B, H, W, T_in, D]`; activations: `[B, H, W, T_in]` or None.
@@ -102,13 +108,17 @@ class ConvCapsules(_CapsuleMapLayer):
     """
 
     def __init__(self, num_capsules, capsule_dim=16, kernel_size=3, strides=1, routing="em",
-                 pose="matrix", kernel_initializer=None, **kwargs):
+                 pose="matrix", kernel_initializer=None, chunk_size=None, **kwargs):
         super().__init__(num_capsules, capsule_dim, routing, pose, kernel_initializer, **kwargs)
         for name, value in (("kernel_size", kernel_size), ("strides", strides)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+            raise ValueError(
+                f"chunk_size must be None or a positive integer. Received: chunk_size={chunk_size!r}")
         self.kernel_size = kernel_size
         self.strides = strides
+        self.chunk_size = chunk_size
 
     def build(self, inputs_shape, activations_shape=None):
         input_shape = inputs_shape
@@ -126,8 +136,18 @@ class ConvCapsules(_CapsuleMapLayer):
         if activations is not None:
             folded_act = ops.reshape(
                 capsule_patches(activations, self.kernel_size, self.strides), (-1, num_in))
-        result = self.routing(capsule_votes(folded, self.kernel, self.pose), folded_act,
-                              training=training)
+
+        def route_folded(poses, act=None):
+            return self.routing(capsule_votes(poses, self.kernel, self.pose), act,
+                                training=training)
+
+        inputs = [folded] + ([] if folded_act is None else [folded_act])
+        if self.chunk_size is None:
+            result = route_folded(*inputs)
+        else:
+            # Chunks return float32 (what EM routing returns under any policy).
+            as_float32 = lambda *chunk: tuple(ops.cast(t, "float32") for t in route_folded(*chunk))
+            result = map_in_chunks(as_float32, inputs, self.chunk_size, ["float32"] * 3)
         unfold = lambda t: ops.reshape(t, (-1, out_h, out_w, *t.shape[1:]))
         return RoutingResult(*(unfold(t) for t in result))
 
@@ -139,7 +159,8 @@ class ConvCapsules(_CapsuleMapLayer):
 
     def get_config(self):
         config = super().get_config()
-        config.update(kernel_size=self.kernel_size, strides=self.strides)
+        config.update(kernel_size=self.kernel_size, strides=self.strides,
+                      chunk_size=self.chunk_size)
         return config
 
 
