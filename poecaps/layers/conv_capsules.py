@@ -5,6 +5,7 @@ position) with activations `[B, H, W, T]`.
 """
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from poecaps import routing as routing_lib
@@ -97,6 +98,8 @@ class ConvCapsules(_CapsuleMapLayer):
             are computed together (`poecaps.chunks.map_in_chunks`, the
             gradient recomputing each chunk): the `[chunk, I, J, D]` votes
             stay in the CPU's caches. Same result to rounding (float32).
+            Only inside a `tf.function`: run eagerly, the chunks would be a
+            Python loop, so the whole batch is routed at once.
 
     Call arguments:
         inputs: `[B, H, W, T_in, D]`; activations: `[B, H, W, T_in]` or None.
@@ -142,7 +145,7 @@ class ConvCapsules(_CapsuleMapLayer):
                                 training=training)
 
         inputs = [folded] + ([] if folded_act is None else [folded_act])
-        if self.chunk_size is None:
+        if self.chunk_size is None or tf.executing_eagerly():
             result = route_folded(*inputs)
         else:
             # Chunks return float32 (what EM routing returns under any policy).
