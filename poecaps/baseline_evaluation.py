@@ -5,6 +5,7 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from poecaps import figures, transforms
 from poecaps.runs import RunDir
@@ -22,18 +23,35 @@ class BaselineEvaluationConfig:
     test_limit: int | None = None  # evaluate on only this many test images
 
 
-def _predict(model, images, batch_size):
-    scores, coefficients = [], []
+def compiled_predictor(model, jit_compile=False):
+    """The model's inference pass compiled once: `images -> (scores, coefficients)`.
+
+    One graph (XLA when `jit_compile`, as the run was trained) instead of
+    an eager call per batch; `predict_in_batches` keeps the batch shape fixed
+    so it is traced once.
+    """
+    def predict(images):
+        out = model(images, training=False)
+        return out["scores"], out["coefficients"]
+
+    return tf.function(predict, jit_compile=jit_compile)
+
+
+def predict_in_batches(predict, images, batch_size):
+    """`predict` over batches of one size (the last padded with zeros, dropped again)."""
+    batch_size = min(batch_size, len(images))
+    results = []
     for start in range(0, len(images), batch_size):
-        out = model(images[start:start + batch_size], training=False)
-        scores.append(keras.ops.convert_to_numpy(out["scores"]))
-        coefficients.append(keras.ops.convert_to_numpy(out["coefficients"]))
-    return np.concatenate(scores), np.concatenate(coefficients)
+        batch = images[start:start + batch_size]
+        n = len(batch)
+        if n < batch_size:
+            batch = np.concatenate([batch, np.zeros((batch_size - n, *batch.shape[1:]), batch.dtype)])
+        results.append([keras.ops.convert_to_numpy(t)[:n] for t in predict(batch)])
+    return tuple(np.concatenate(parts) for parts in zip(*results))
 
 
-def _accuracy(model, images, labels, batch_size):
-    scores = np.concatenate([keras.ops.convert_to_numpy(model(images[s:s + batch_size])["scores"])
-                             for s in range(0, len(images), batch_size)])
+def _accuracy(predict, images, labels, batch_size):
+    scores, _ = predict_in_batches(predict, images, batch_size)
     return float(np.mean(np.argmax(scores, axis=-1) == labels))
 
 
@@ -99,7 +117,8 @@ def evaluate_baseline(run_dir, config=BaselineEvaluationConfig()):
     model = keras.saving.load_model(path)
     test, labels, _ = load_split(train_config, "test")
     test, labels = test[:config.test_limit or None], labels[:config.test_limit or None]
-    scores, coefficients = _predict(model, test, config.batch_size)
+    predict = compiled_predictor(model, jit_compile=train_config.xla)
+    scores, coefficients = predict_in_batches(predict, test, config.batch_size)
     entropy, normalised = coefficient_entropy(coefficients)
     seed = keras.random.SeedGenerator(config.seed)
     affine = _transformed(lambda x: transforms.random_affine(x, seed=seed), test, config.batch_size)
@@ -107,9 +126,9 @@ def evaluate_baseline(run_dir, config=BaselineEvaluationConfig()):
         "model": train_config.model, "dataset": train_config.dataset, "test_images": len(test),
         "routing_iterations": train_config.iterations,
         "test_accuracy": float(np.mean(np.argmax(scores, axis=-1) == labels)),
-        "affine_accuracy": _accuracy(model, affine, labels, config.batch_size),
+        "affine_accuracy": _accuracy(predict, affine, labels, config.batch_size),
         "rotation_accuracy": {
-            str(angle): _accuracy(model, _transformed(lambda x, a=angle: transforms.rotate(x, a),
+            str(angle): _accuracy(predict, _transformed(lambda x, a=angle: transforms.rotate(x, a),
                                                       test, config.batch_size),
                                   labels, config.batch_size)
             for angle in ROTATIONS},

@@ -119,3 +119,18 @@ def test_model_saved_with_the_guarded_schedule_loads_in_a_fresh_process(tmp_path
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                             timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("make, jit_compile", [(_tiny_capsnet, False), (_tiny_em, True)])
+def test_compiled_batched_prediction_equals_the_eager_model(rng, make, jit_compile):
+    from poecaps.baseline_evaluation import compiled_predictor, predict_in_batches
+
+    model = make()
+    x = rng.uniform(size=(7, *model.image_shape)).astype("float32")
+    eager = model(x, training=False)
+    # batches of 3: the last one holds 1 image and 2 zero images, dropped again
+    scores, coefficients = predict_in_batches(compiled_predictor(model, jit_compile), x, 3)
+    assert scores.shape == (7, model.num_classes)
+    np.testing.assert_allclose(scores, ops.convert_to_numpy(eager["scores"]), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(coefficients, ops.convert_to_numpy(eager["coefficients"]),
+                               rtol=1e-4, atol=1e-6)
