@@ -19,7 +19,8 @@ def map_in_chunks(fn, inputs, chunk_size, output_dtypes):
 
     `fn` maps tensors with a leading batch axis to a tuple of float tensors
     with the same leading axis, row by row (no row sees another). The batch
-    is cut into chunks (the last one padded with zero rows, dropped again);
+    is cut into chunks (the last one padded with zero rows, dropped again;
+    an empty batch is one chunk of zero rows);
     a `tf.map_fn` runs `fn` on one chunk after another, and the gradient
     runs it again on each chunk under its own tape, summing the gradients
     of the variables `fn` reads. Nothing of one chunk is kept for the
@@ -40,7 +41,8 @@ def map_in_chunks(fn, inputs, chunk_size, output_dtypes):
         raise ValueError(f"chunk_size must be a positive integer. Received: chunk_size={chunk_size!r}")
     inputs = [tf.convert_to_tensor(x) for x in inputs]
     n = tf.shape(inputs[0])[0]
-    num_chunks = (n + chunk_size - 1) // chunk_size
+    # At least one chunk: an empty batch runs one chunk of padding (map_fn fails on none).
+    num_chunks = tf.maximum((n + chunk_size - 1) // chunk_size, 1)
     pad = num_chunks * chunk_size - n
     split = lambda x: _split(x, num_chunks, chunk_size, pad)
 

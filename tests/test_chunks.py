@@ -8,7 +8,7 @@ from poecaps.chunks import map_in_chunks
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
-@pytest.mark.parametrize("rows, chunk_size", [(10, 3), (10, 5), (4, 9), (1, 1)])
+@pytest.mark.parametrize("rows, chunk_size", [(10, 3), (10, 5), (4, 9), (1, 1), (0, 3)])
 def test_values_and_gradients_equal_whole_batch(rng, mode, rows, chunk_size):
     # Row-wise fn with two inputs, two outputs and a variable it reads.
     kernel = tf.Variable(rng.normal(size=(4, 3)).astype("float32"))
