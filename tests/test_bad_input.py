@@ -114,6 +114,8 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: BaselineConfig(learning_rate=-1.0), r"learning_rate must be positive. Received: learning_rate=-1.0"),
     (lambda: BaselineConfig(model="em", routing_iterations=0), r"routing_iterations must be .* >= 1 for em"),
     (lambda: BaselineConfig(epochs=0), r"epochs must be >= 1. Received: epochs=0"),
+    (lambda: BaselineConfig(model="capsnet", shards=2), r"shards must be >= 1, and 1 without XLA.*shards=2"),
+    (lambda: BaselineConfig(model="em", shards=0), r"shards must be >= 1.*shards=0"),
     (lambda: RunOptions(on_nan="ignore"), r"on_nan must be one of .*Received: on_nan='ignore'"),
     (lambda: RunOptions(strategy="tpu"), r"strategy must be one of .*Received: strategy='tpu'"),
     (lambda: RunOptions(precision="float8"), r"precision must be one of .*Received: precision='float8'"),

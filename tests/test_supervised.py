@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from keras import ops
 
+from trainers.baselines import BaselineConfig
+from trainers.shards import default_shards
 from trainers.supervised import CapsNet, MatrixCapsNet
 
 
@@ -72,12 +74,44 @@ def test_em_shapes_and_tiny_fit(rng):
 
 
 @pytest.mark.parametrize("make", [_tiny_capsnet, _tiny_em])
+@pytest.mark.parametrize("shards", [2, 4])
+def test_sharded_training_takes_the_same_steps_as_the_whole_batch(rng, make, shards):
+    """An epoch of batches of 4, 4 and 2 images (with 4 shards the last has two empty shards),
+    random shifts on: the same weights and metrics as one XLA computation per batch. Plain SGD,
+    so that rounding differences in the gradients stay as small in the weights."""
+    x = rng.uniform(size=(10, *make().image_shape)).astype("float32")
+    y = rng.integers(0, make().num_classes, size=10)
+    weights, histories = [], []
+    for n in (1, shards):
+        keras.utils.set_random_seed(0)     # the same initial weights
+        model = make(max_shift=1, shards=n)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=True)
+        histories.append(model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0).history)
+        weights.append([ops.convert_to_numpy(w) for w in model.trainable_weights])
+    keras.utils.set_random_seed(0)
+    start = [ops.convert_to_numpy(w) for w in make().trainable_weights]
+    assert not all(np.allclose(a, b) for a, b in zip(weights[0], start))
+    for sharded, whole in zip(weights[1], weights[0]):
+        np.testing.assert_allclose(sharded, whole, rtol=1e-5, atol=1e-5)
+    for key in histories[0]:
+        np.testing.assert_allclose(histories[1][key], histories[0][key], rtol=1e-5, atol=1e-7)
+
+
+def test_baseline_runs_shard_only_xla_steps_by_default():
+    assert BaselineConfig(model="em").train_shards == default_shards()      # XLA by default
+    assert BaselineConfig(model="em", jit_compile="false").train_shards == 1
+    assert BaselineConfig(model="capsnet").train_shards == 1                # no XLA by default
+    assert BaselineConfig(model="capsnet", jit_compile="true", shards=3).train_shards == 3
+
+
+@pytest.mark.parametrize("make", [_tiny_capsnet, _tiny_em])
 def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make):
-    model = make()
+    model = make(shards=2)
     model.compile(optimizer=keras.optimizers.Adam(1e-3))
     x = rng.uniform(size=(4, *model.image_shape)).astype("float32")
     model.fit(x, rng.integers(0, model.num_classes, size=4), epochs=1, verbose=0)
     config = model.get_config()
+    assert config["shards"] == 2
     assert type(model).from_config(config).get_config() == config
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -91,6 +125,7 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
     (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 1}, "num_classes must be"),
     (MatrixCapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "routing_iterations": 0},
      "at least one M-step"),
+    (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "shards": 0}, "shards must be"),
 ])
 def test_invalid_arguments(make, kwargs, message):
     with pytest.raises(ValueError, match=message):

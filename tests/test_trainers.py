@@ -17,9 +17,9 @@ from trainers.cd import (
     FreeEnergyGap,
     cd_step,
     default_optimizer,
-    shard_bounds,
     sharded_cd_step,
 )
+from trainers.shards import shard_bounds
 
 
 def _capsules(rng, n, num, dim, scale=2.0):

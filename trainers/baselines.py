@@ -16,6 +16,7 @@ from poecaps.resumable import fit_resumable
 from poecaps.run_options import RunOptions
 from poecaps.runs import RunDir
 from poecaps.validation import check_images
+from trainers.shards import default_shards
 from trainers.supervised import CHUNK_CAPSULES, CapsNet, MatrixCapsNet
 
 MODELS = ("capsnet", "em")
@@ -44,6 +45,7 @@ class BaselineConfig(RunOptions):
     em_cost_normalization: str = "standardize"   # or "none": the paper's eq. 27
     em_final_lambda: float = -1.0      # -1: 1 with standardised costs, 0.01 with the paper's
     jit_compile: str = "auto"          # "auto": XLA for EM (routing-bound), not for CapsNet (conv-bound)
+    shards: int | None = None          # each train step in this many concurrent XLA parts (default: 2 on a CPU under XLA, else 1; needs XLA)
 
     def __post_init__(self):
         super().__post_init__()
@@ -61,6 +63,9 @@ class BaselineConfig(RunOptions):
         if self.jit_compile not in ("auto", "true", "false"):
             raise InputError("jit_compile must be 'auto', 'true' or 'false'. "
                              f"Received: jit_compile={self.jit_compile!r}")
+        if self.shards is not None and (self.shards < 1 or (self.shards > 1 and not self.xla)):
+            raise InputError(f"shards must be >= 1, and 1 without XLA (each shard is an XLA "
+                             f"computation). Received: shards={self.shards}, jit_compile={self.jit_compile!r}")
         if self.routing_iterations < -1 or (self.model == "em" and self.routing_iterations == 0):
             raise InputError("routing_iterations must be >= 0 for capsnet, >= 1 for em, or -1 for "
                              f"the paper's. Received: routing_iterations={self.routing_iterations}")
@@ -68,6 +73,13 @@ class BaselineConfig(RunOptions):
     @property
     def xla(self):
         return self.model == "em" if self.jit_compile == "auto" else self.jit_compile == "true"
+
+    @property
+    def train_shards(self):
+        """Concurrent XLA parts of each train step: `shards`, or 2 on a CPU under XLA, else 1."""
+        if self.shards is not None:
+            return self.shards
+        return default_shards() if self.xla else 1
 
     @property
     def iterations(self):
@@ -91,7 +103,7 @@ def build_model(config, image_shape, num_classes, steps_per_epoch):
     if config.model == "capsnet":
         return CapsNet(image_shape, num_classes, routing_iterations=config.iterations,
                        reconstruction=config.reconstruction, max_shift=config.max_shift,
-                       seed=config.seed)
+                       seed=config.seed, shards=config.train_shards)
     sizes = {"a": 64, "b": 8, "c": 16, "d": 16} if config.em_size == "small" else {"a": 32, "b": 32, "c": 32, "d": 32}
     final_lambda = config.em_final_lambda
     if final_lambda <= 0:
@@ -100,7 +112,7 @@ def build_model(config, image_shape, num_classes, steps_per_epoch):
                          final_lambda=final_lambda, cost_normalization=config.em_cost_normalization,
                          margin_steps=max(1, config.epochs * steps_per_epoch), max_shift=0,
                          chunk_capsules=CHUNK_CAPSULES if config.xla else None,  # chunks pay under XLA
-                         seed=config.seed, **sizes)
+                         seed=config.seed, shards=config.train_shards, **sizes)
 
 
 class _MetricsLog(keras.callbacks.Callback):

@@ -1,7 +1,5 @@
 """Contrastive-divergence trainer for any energy model (Hauser Algorithm 1)."""
 
-import itertools
-
 import keras
 import tensorflow as tf
 from keras import ops
@@ -11,6 +9,7 @@ from poecaps.errors import InputError
 from poecaps.experts import check_sparsity
 from poecaps.guard import ScaledSchedule
 from poecaps.validation import check_array
+from trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 
 
 def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
@@ -27,62 +26,26 @@ def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
     return grads, negatives, stats
 
 
-def shard_bounds(n, shards):
-    """`[(start, end)]` of `shards` consecutive, near-equal parts of `n` rows (the first get one more).
-
-    `n` may be a Python int or a scalar tensor (a batch size known only at run time).
-    """
-    size, extra = n // shards, n % shards
-    smaller = min if isinstance(n, int) else ops.minimum
-    starts = [k * size + smaller(k, extra) for k in range(shards + 1)]
-    return list(itertools.pairwise(starts))
-
-
 def sharded_cd_step(step, x, shards, chain=None, hidden=None):
     """`step(x, chain, hidden) -> (grads, negatives, stats)` on `shards` parts of the batch, combined.
 
     The gradients are batch means, so the whole batch's is the mean of the
-    shards' weighted by their sizes (an empty shard, when the batch is
-    smaller than `shards`, weighs 0); negatives and statistics are per
-    example and are concatenated. `hidden` is cut like `x`, a persistent
-    chain by its own length.
+    shards' weighted by their sizes (`trainers.shards`); negatives and
+    statistics are per example and are concatenated. `hidden` is cut like
+    `x`, a persistent chain by its own length.
     """
-    n = _batch_size(x)
+    n = batch_size(x)
     bounds = shard_bounds(n, shards)
-    chain_bounds = bounds if chain is None else shard_bounds(_batch_size(chain), shards)
-    if isinstance(n, int):     # known when traced: leave empty shards out
-        kept = [k for k, (a, b) in enumerate(bounds) if b > a]
-        bounds, chain_bounds = [bounds[k] for k in kept], [chain_bounds[k] for k in kept]
+    chain_bounds = bounds if chain is None else shard_bounds(batch_size(chain), shards)
+    kept = nonempty(bounds, n)
+    bounds, chain_bounds = [bounds[k] for k in kept], [chain_bounds[k] for k in kept]
     parts = [step(x[a:b], None if chain is None else chain[c:d], None if hidden is None else hidden[a:b])
              for (a, b), (c, d) in zip(bounds, chain_bounds)]
-
-    def weighted(g, a, b):
-        if isinstance(n, int):
-            return g * ((b - a) / n)
-        # an empty shard's mean is NaN (0 / 0); it weighs 0
-        return ops.where(b > a, g, 0.0) * (ops.cast(b - a, g.dtype) / ops.cast(n, g.dtype))
-
-    grads = [sum(weighted(part[0][k], a, b) for part, (a, b) in zip(parts, bounds))
+    grads = [size_weighted_mean([part[0][k] for part in parts], bounds, n)
              for k in range(len(parts[0][0]))]
     negatives = ops.concatenate([part[1] for part in parts], axis=0)
     stats = {key: ops.concatenate([part[2][key] for part in parts], axis=0) for key in parts[0][2]}
     return grads, negatives, stats
-
-
-def default_cd_shards():
-    """2 where TensorFlow sees no GPU, else 1.
-
-    XLA on a CPU runs one computation's element-wise work on one core; two
-    shards of the batch as two computations can use both cores of a 2-core
-    machine (`bench/cd_step.py` here: 0.99 to 1.4x the whole-batch XLA step,
-    by how the host schedules the two virtual CPUs). On a GPU
-    one computation fills the device already (not measured: no GPU lent).
-    """
-    return 1 if tf.config.list_physical_devices("GPU") else 2
-
-
-def _batch_size(x):
-    return x.shape[0] if x.shape[0] is not None else ops.shape(x)[0]
 
 
 def default_optimizer(learning_rate=0.05, decay_steps=1000, decay_rate=0.95, momentum=0.9):

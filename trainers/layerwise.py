@@ -26,7 +26,8 @@ from poecaps.run_options import RunOptions
 from poecaps.runs import CapsulePipeline, RunDir, batched, build_layer, load_layer, save_layer
 from poecaps.validation import check_images
 from trainers.autoencoder import AutoencoderTrainer
-from trainers.cd import CDTrainer, FreeEnergyGap, default_cd_shards, default_optimizer
+from trainers.cd import CDTrainer, FreeEnergyGap, default_optimizer
+from trainers.shards import default_shards
 
 STAGES = ("autoencoder", "encoder", "decoder", "rbm")
 # Settings that fix the data or a component's shape: a resumed run must keep them.
@@ -153,7 +154,7 @@ def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, 
 def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, sparsity_cost=0.0):
     shards = 1
     if config.jit_cd:
-        shards = default_cd_shards() if config.cd_shards is None else config.cd_shards
+        shards = default_shards() if config.cd_shards is None else config.cd_shards
     trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
                         chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
                         l2=config.l2, heldout=heldout, seed=config.seed,

@@ -26,6 +26,7 @@ from poecaps.layers import (
 )
 from poecaps.routing import DynamicRouting, EMRouting
 from poecaps.validation import check_images, check_labels
+from trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 
 # Lower capsules per chunk in MatrixCapsNet's convolutional capsule layers: the
 # chunk's votes, 1024 x J x 16 floats, stay in cache (bench/em_step.py; README.md).
@@ -35,8 +36,12 @@ CHUNK_CAPSULES = 1024
 class _Classifier(keras.Model):
     """Training loop shared by the baselines: augmentation, loss terms as metrics, accuracy."""
 
-    def __init__(self, image_shape, num_classes, max_shift, seed, **kwargs):
+    def __init__(self, image_shape, num_classes, max_shift, seed, shards=1, **kwargs):
+        import tensorflow as tf
+
         super().__init__(**kwargs)
+        if not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be an integer >= 1. Received: shards={shards!r}")
         if len(image_shape) != 3 or min(image_shape) <= 0:
             raise ValueError(
                 f"image_shape must be (height, width, channels). Received: image_shape={image_shape}")
@@ -46,6 +51,8 @@ class _Classifier(keras.Model):
         self.num_classes = num_classes
         self.max_shift = max_shift
         self.seed = seed
+        self.shards = shards
+        self._shard_gradients = tf.function(self._gradients, jit_compile=True) if shards > 1 else None
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy_tracker = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
@@ -63,18 +70,48 @@ class _Classifier(keras.Model):
         """Returns `(total [scalar], outputs dict, {name: scalar})`."""
         raise NotImplementedError
 
+    def compile(self, *args, jit_compile="auto", **kwargs):
+        # With shards, each shard is its own XLA computation (see the subclasses' `shards`).
+        super().compile(*args, jit_compile=False if self.shards > 1 else jit_compile, **kwargs)
+
     def train_step(self, data):
+        images, labels = data
+        # Shifted here, outside the shards, which would otherwise share the seed generator.
+        images = transforms.random_shift(images, self.max_shift, seed=self.seed_generator)
+        if self._shard_gradients is None:
+            grads, loss, scores, terms = self._gradients(images, labels)
+        else:
+            grads, loss, scores, terms = self._sharded_gradients(images, labels)
+        self.optimizer.apply(grads, self.trainable_weights)
+        return self._update_metrics(loss, labels, {"scores": scores}, terms)
+
+    def _gradients(self, images, labels):
+        """`(gradients, loss, scores, {name: term})` of one batch (or shard)."""
         import tensorflow as tf
 
-        images, labels = data
-        images = transforms.random_shift(images, self.max_shift, seed=self.seed_generator)
         with tf.GradientTape() as tape:
             loss, outputs, terms = self._loss_terms(images, labels, training=True)
             # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
             scaled = self.optimizer.scale_loss(loss * distribute.replica_scale())
-        grads = tape.gradient(scaled, self.trainable_weights)
-        self.optimizer.apply(grads, self.trainable_weights)
-        return self._update_metrics(loss, labels, outputs, terms)
+        return tape.gradient(scaled, self.trainable_weights), loss, outputs["scores"], terms
+
+    def _sharded_gradients(self, images, labels):
+        """`_gradients` of the whole batch from `shards` concurrent XLA computations on its parts.
+
+        Loss, terms and gradients are batch means: the shards' are joined by
+        their size-weighted mean; the scores are concatenated.
+        """
+        n = batch_size(images)
+        bounds = shard_bounds(n, self.shards)
+        bounds = [bounds[k] for k in nonempty(bounds, n)]
+        parts = [self._shard_gradients(images[a:b], labels[a:b]) for a, b in bounds]
+        grads = [size_weighted_mean([part[0][k] for part in parts], bounds, n)
+                 for k in range(len(parts[0][0]))]
+        loss = size_weighted_mean([part[1] for part in parts], bounds, n)
+        scores = ops.concatenate([part[2] for part in parts], axis=0)
+        terms = {name: size_weighted_mean([part[3][name] for part in parts], bounds, n)
+                 for name in parts[0][3]}
+        return grads, loss, scores, terms
 
     def test_step(self, data):
         images, labels = data
@@ -94,7 +131,8 @@ class _Classifier(keras.Model):
 
     def get_config(self):
         return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
-                "max_shift": self.max_shift, "seed": self.seed, "name": self.name}
+                "max_shift": self.max_shift, "seed": self.seed, "shards": self.shards,
+                "name": self.name}
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -124,12 +162,18 @@ class CapsNet(_Classifier):
             sizes (256, 32, 8, 16, 9).
         max_shift: random shift in pixels during training.
         seed: seed of the augmentation.
+        shards: compute each training batch's gradients in this many
+            consecutive parts, each its own XLA computation, which
+            TensorFlow runs at the same time (XLA runs one computation's
+            element-wise work on one CPU core); the joined gradients equal
+            the whole batch's. With `shards > 1` the train step itself is
+            never XLA-compiled, whatever `compile(jit_compile=...)` says.
     """
 
     def __init__(self, image_shape, num_classes, routing_iterations=2, reconstruction=True,
                  reconstruction_weight=0.0005, conv_filters=256, primary_types=32, primary_dim=8,
-                 class_dim=16, kernel_size=9, max_shift=2, seed=0, **kwargs):
-        super().__init__(image_shape, num_classes, max_shift, seed, **kwargs)
+                 class_dim=16, kernel_size=9, max_shift=2, seed=0, shards=1, **kwargs):
+        super().__init__(image_shape, num_classes, max_shift, seed, shards, **kwargs)
         self.routing_iterations = routing_iterations
         self.reconstruction = reconstruction
         self.reconstruction_weight = reconstruction_weight
@@ -237,13 +281,14 @@ class MatrixCapsNet(_Classifier):
             train step 0.85-1.02 s -> 0.63-0.65 s in `bench/em_step.py`);
             without XLA they cost (1.19-1.33 s -> 1.52-1.75 s), so pass
             None there.
-        max_shift, seed: as `CapsNet`.
+        max_shift, seed, shards: as `CapsNet`. Two shards on a 2-core CPU:
+            see `bench/em_step.py` and README.md.
     """
 
     def __init__(self, image_shape, num_classes, routing_iterations=3, a=64, b=8, c=16, d=16,
                  final_lambda=1.0, cost_normalization="standardize", margin_steps=10000,
-                 chunk_capsules=CHUNK_CAPSULES, max_shift=0, seed=0, **kwargs):
-        super().__init__(image_shape, num_classes, max_shift, seed, **kwargs)
+                 chunk_capsules=CHUNK_CAPSULES, max_shift=0, seed=0, shards=1, **kwargs):
+        super().__init__(image_shape, num_classes, max_shift, seed, shards, **kwargs)
         self.routing_iterations = routing_iterations
         self.a, self.b, self.c, self.d = a, b, c, d
         self.final_lambda = final_lambda
