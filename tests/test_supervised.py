@@ -116,6 +116,7 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
     path = str(tmp_path / "model.keras")
     model.save(path)
     again = keras.saving.load_model(path)
+    assert again.optimizer is not None and again.shards == 2     # compiled again on loading
     np.testing.assert_array_equal(ops.convert_to_numpy(again(x)["scores"]),
                                   ops.convert_to_numpy(model(x)["scores"]))
 

@@ -74,6 +74,12 @@ class _Classifier(keras.Model):
         # With shards, each shard is its own XLA computation (see the subclasses' `shards`).
         super().compile(*args, jit_compile=False if self.shards > 1 else jit_compile, **kwargs)
 
+    def compile_from_config(self, config):
+        # Keras' own skips models that override `compile` (ours only keeps XLA off around shards).
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def train_step(self, data):
         images, labels = data
         # Shifted here, outside the shards, which would otherwise share the seed generator.
