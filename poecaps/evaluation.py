@@ -120,7 +120,7 @@ def evaluate_run(run_dir, config=EvaluationConfig()):
         result["rbm"] = {
             "hidden_units": rbm.num_hidden,
             "reconstruction_mse": metrics.mse(
-                test, batched(lambda x: rbm.reconstruct(flat(x)), test).reshape(test.shape)),
+                test, batched(rbm.reconstruct, flat(test)).reshape(test.shape)),
             "probe_accuracy_hidden": metrics.linear_probe(
                 hidden_train, train_labels, hidden_test, test_labels),
             "samples_full": _specialisation(classifier, rbm_images, classes),

@@ -1,6 +1,6 @@
 """Run directories, saved components and the whole capsule path.
 
-A run directory holds `config.json`, `state.json` (finished stages),
+A run directory holds `config.json`, `state.json` (finished stages and the settings of each),
 `checkpoints/` (mid-stage backups), `logs/` (TensorBoard),
 `metrics.jsonl`, `models/` (one file per trained component) and PNG figures.
 """
@@ -10,6 +10,7 @@ import os
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import ops
 
 from poecaps import experts, layers, rbm  # noqa: F401  (registers the serializable classes)
@@ -46,8 +47,15 @@ def build_layer(layer, input_shape):
 
 
 def batched(fn, array, batch_size=256):
-    """Apply `fn` to `array` in batches and concatenate the NumPy results."""
-    return np.concatenate([ops.convert_to_numpy(fn(array[k:k + batch_size]))
+    """Apply `fn` to `array` in batches and concatenate the NumPy results.
+
+    `fn` runs as one traced graph (`tf.function`), not op by op: the capsule
+    layers' contractions loop over the upper capsules (`poecaps.energy`),
+    which eagerly costs one Python step per capsule, 576 for the decoder
+    (8 s a batch of 256 against 0.4 s traced).
+    """
+    graph = tf.function(fn, reduce_retracing=True)
+    return np.concatenate([ops.convert_to_numpy(graph(array[k:k + batch_size]))
                            for k in range(0, len(array), batch_size)])
 
 

@@ -4,6 +4,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.capsules import squash
+from poecaps.runs import batched
 
 
 class CapsuleSampler:
@@ -54,9 +55,7 @@ class CapsuleSampler:
         for j in range(num_caps):
             upper[:, j, j] = draws[:, j]
         upper = ops.convert_to_numpy(squash(upper.reshape(rows * num_caps, num_caps, dim)))
-        images = np.concatenate([
-            ops.convert_to_numpy(self.pipeline.decode_upper(upper[k:k + batch_size]))
-            for k in range(0, len(upper), batch_size)])
+        images = batched(self.pipeline.decode_upper, upper, batch_size)
         return {"images": images.reshape(rows, num_caps, *images.shape[1:]), "draws": draws}
 
 
