@@ -74,8 +74,14 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
                  "models/rbm.npz", "models/code_mean.npy", "models/mean_directions.npy",
                  "models/pose_moments.npy"):
         assert os.path.exists(os.path.join(run, name)), name
-    resumed = _run("train_layerwise.py", *common, "--resume")
+    resumed = _run("train_layerwise.py", *common, "--resume", "--encoder-epochs", "2")
     assert resumed.count("already trained") == 4
+    with open(os.path.join(run, "state.json")) as handle:
+        stages = json.load(handle)["stages"]
+    with open(os.path.join(run, "config.json")) as handle:
+        assert json.load(handle)["encoder_epochs"] == 2   # the last call's settings
+    assert {stage: stages[stage]["config"]["encoder_epochs"] for stage in stages} == {
+        "autoencoder": 1, "encoder": 1, "decoder": 1, "rbm": 1}   # each stage's own
 
     _run("sample.py", "--run-dir", run, "--rows", "3", "--restricted")
     with np.load(os.path.join(run, "samples.npz")) as samples:

@@ -283,7 +283,9 @@ def train_layerwise(config, run_dir, stages=STAGES, resume=False):
                 train_stage(stage, config, run, train, test, resume)
         seconds = time.perf_counter() - start
         timings[stage] = seconds
-        state["stages"][stage] = {"seconds": seconds}
+        # A resumed run may change settings other than ARCHITECTURE, so each
+        # stage keeps the ones it was trained with (config.json has the last call's).
+        state["stages"][stage] = {"seconds": seconds, "config": dataclasses.asdict(config)}
         run.write_json("state.json", state)
         print(f"[{stage}] done in {seconds:.1f} s", flush=True)
     if os.path.exists(run.file("metrics.jsonl")):
