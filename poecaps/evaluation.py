@@ -82,6 +82,12 @@ def evaluate_run(run_dir, config=EvaluationConfig()):
         # test images reconstructed through the capsule path.
         "reconstruction_class_accuracy": float(np.mean(
             _predict(classifier, reconstruction) == test_labels)),
+        # What one capsule can show at best (a Figure 2 sample has one capsule on):
+        # each test image's code cut to its longest capsule, decoded and labelled,
+        # and the images grouped by their longest capsule.
+        "one_capsule_reconstruction_class_accuracy": float(np.mean(_predict(
+            classifier, batched(pipeline.decode_upper, metrics.keep_longest(test_upper))) == test_labels)),
+        "longest_capsule_clusters": metrics.longest_capsule_clusters(test_lengths, test_labels, classes),
     }
     # Runs trained before the decoder stage stored the moments: same figure from the same data.
     moments = pipeline.pose_moments

@@ -143,3 +143,56 @@ def class_selectivity(activity, labels, classes):
     spread = means.max(axis=0) - means.min(axis=0)
     return {"preferred": [int(c) for c in preferred], "spread": [float(v) for v in spread],
             "mean_spread": float(spread.mean()), "classes_preferred": len(set(preferred))}
+
+
+def keep_longest(upper, k=1):
+    """Upper capsules `[N, J, D]` with all but each example's `k` longest set to 0.
+
+    A real image's code cut down to what a Figure 2 sample has: its own
+    longest capsule(s), the others off. Decoded, it shows what one capsule
+    can say about an image at best, with a pose the data really took.
+    """
+    upper = np.asarray(upper)
+    if upper.ndim != 3 or not 1 <= k <= upper.shape[1]:
+        raise ValueError(f"keep_longest needs upper capsules [N, J, D] and 1 <= k <= J. "
+                         f"Received shape {upper.shape} and k={k}")
+    longest = np.argsort(-np.linalg.norm(upper, axis=-1), axis=1, kind="stable")[:, :k]
+    mask = np.zeros(upper.shape[:2], upper.dtype)
+    np.put_along_axis(mask, longest, 1, axis=1)
+    return upper * mask[..., None]
+
+
+def longest_capsule_clusters(lengths, labels, classes):
+    """Images grouped by their longest capsule: does each capsule win one class?
+
+    If each capsule learns specific objects, the capsule that is longest on
+    an image names the image's class, like a cluster. Each capsule's cluster
+    is the images on which it is longest.
+
+    Args:
+        lengths: `[N, J]` capsule lengths.
+        labels: `[N]` integer classes.
+        classes: number of classes.
+
+    Returns:
+        dict with, per capsule, `size` (images it wins), `majority` (their
+        most common class, None if it wins none) and `purity` (that class's
+        share, None likewise); `overall_purity` (share of all images whose
+        class is their cluster's majority) and `classes_covered` (distinct
+        majority classes).
+    """
+    lengths, labels = np.asarray(lengths), np.asarray(labels)
+    if lengths.ndim != 2 or len(lengths) != len(labels) or len(labels) == 0:
+        raise ValueError(f"longest_capsule_clusters needs lengths [N, J] and labels [N], N > 0. "
+                         f"Received shapes {lengths.shape} and {labels.shape}")
+    winner = np.argmax(lengths, axis=1)
+    size, majority, purity, agreeing = [], [], [], 0
+    for j in range(lengths.shape[1]):
+        counts = np.bincount(labels[winner == j], minlength=classes)
+        size.append(int(counts.sum()))
+        majority.append(int(np.argmax(counts)) if counts.sum() else None)
+        purity.append(float(counts.max() / counts.sum()) if counts.sum() else None)
+        agreeing += int(counts.max())
+    return {"size": size, "majority": majority, "purity": purity,
+            "overall_purity": agreeing / len(labels),
+            "classes_covered": len({m for m in majority if m is not None})}

@@ -151,6 +151,37 @@ def test_class_selectivity_hand_computed():
         metrics.class_selectivity(activity[:, 0], labels, classes=4)
 
 
+def test_keep_longest_hand_computed():
+    upper = np.zeros((2, 3, 2))
+    upper[0] = [[0.3, 0.0], [0.0, 0.5], [0.4, 0.0]]    # lengths 0.3, 0.5, 0.4
+    upper[1] = [[0.6, 0.0], [0.1, 0.1], [0.0, -0.2]]   # lengths 0.6, 0.14, 0.2
+    one = metrics.keep_longest(upper)
+    np.testing.assert_array_equal(one[0], [[0, 0], [0, 0.5], [0, 0]])
+    np.testing.assert_array_equal(one[1], [[0.6, 0], [0, 0], [0, 0]])
+    two = metrics.keep_longest(upper, k=2)
+    np.testing.assert_array_equal(two[0], [[0, 0], [0, 0.5], [0.4, 0]])
+    np.testing.assert_array_equal(two[1], [[0.6, 0], [0, 0], [0, -0.2]])
+    with pytest.raises(ValueError, match="k="):
+        metrics.keep_longest(upper, k=4)
+
+
+def test_longest_capsule_clusters_hand_computed():
+    # Capsule 0 is longest on images 0, 1, 2 (classes 1, 1, 2); capsule 2 on
+    # images 3, 4 (classes 0, 0); capsule 1 on none.
+    lengths = np.array([[0.9, 0.1, 0.2], [0.8, 0.5, 0.1], [0.7, 0.6, 0.0],
+                        [0.1, 0.2, 0.3], [0.2, 0.1, 0.9]])
+    labels = np.array([1, 1, 2, 0, 0])
+    result = metrics.longest_capsule_clusters(lengths, labels, classes=3)
+    assert result["size"] == [3, 0, 2]
+    assert result["majority"] == [1, None, 0]
+    np.testing.assert_allclose(result["purity"][0], 2 / 3)
+    assert result["purity"][1] is None and result["purity"][2] == 1.0
+    np.testing.assert_allclose(result["overall_purity"], 4 / 5)
+    assert result["classes_covered"] == 2
+    with pytest.raises(ValueError, match="lengths"):
+        metrics.longest_capsule_clusters(lengths, labels[:4], classes=3)
+
+
 def test_linear_probe_separates_separable_features(rng):
     labels = rng.integers(0, 3, size=300)
     features = np.eye(3)[labels] * 3 + rng.normal(size=(300, 3)) * 0.1

@@ -99,10 +99,12 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == result
     for key in ("reconstruction_mse", "probe_accuracy_vectors", "probe_accuracy_lengths",
-                "samples_full", "samples_restricted", "samples_fitted_full", "samples_fitted_restricted"):
+                "samples_full", "samples_restricted", "samples_fitted_full", "samples_fitted_restricted",
+                "one_capsule_reconstruction_class_accuracy", "longest_capsule_clusters"):
         assert key in result["poecaps"]
     assert 0.0 <= result["poecaps"]["samples_full"]["mean_purity"] <= 1.0
     assert 1 <= result["poecaps"]["samples_full"]["classes_covered"] <= 4
+    assert sum(result["poecaps"]["longest_capsule_clusters"]["size"]) == result["test_images"]
     share = result["poecaps"]["pose_principal_share"]
     assert len(share["per_capsule"]) == 4 and 0.25 - 1e-6 <= share["mean"] <= 1.0 + 1e-6
     assert result["rbm"]["hidden_units"] == 20
