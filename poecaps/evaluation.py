@@ -82,33 +82,44 @@ def evaluate_run(run_dir, config=EvaluationConfig()):
         # test images reconstructed through the capsule path.
         "reconstruction_class_accuracy": float(np.mean(
             _predict(classifier, reconstruction) == test_labels)),
-        # What one capsule can show at best (a Figure 2 sample has one capsule on):
-        # each test image's code cut to its longest capsule, decoded and labelled,
-        # and the images grouped by their longest capsule.
-        "one_capsule_reconstruction_class_accuracy": float(np.mean(_predict(
-            classifier, batched(pipeline.decode_upper, metrics.keep_longest(test_upper))) == test_labels)),
-        "longest_capsule_clusters": metrics.longest_capsule_clusters(test_lengths, test_labels, classes),
     }
-    # Runs trained before the decoder stage stored the moments: same figure from the same data.
-    moments = pipeline.pose_moments
-    if moments is None:
-        moments = metrics.pose_second_moments(train_upper)
-        np.save(os.path.join(run.models, "pose_moments.npy"), moments.astype("float32"))
-    share = metrics.principal_share(moments)
+    # What one capsule can show at best (a Figure 2 sample has one capsule on):
+    # each test image's code cut to its longest capsule, decoded and labelled;
+    # the images grouped by their longest capsule, by true class and by the
+    # class of that one-capsule decoding (the most any sampler of a capsule's
+    # own "on" poses could show).
+    one_capsule = _predict(classifier, batched(pipeline.decode_upper, metrics.keep_longest(test_upper)))
+    capsules["one_capsule_reconstruction_class_accuracy"] = float(np.mean(one_capsule == test_labels))
+    capsules["longest_capsule_clusters"] = metrics.longest_capsule_clusters(test_lengths, test_labels, classes)
+    capsules["one_capsule_decoded_clusters"] = metrics.longest_capsule_clusters(
+        test_lengths, one_capsule, classes)
+    # Runs trained before the decoder stage stored the moments: same figures from the same data.
+    moments = {"fitted": pipeline.pose_moments, "fitted_longest": pipeline.longest_pose_moments}
+    for name, fit, file in (("fitted", metrics.pose_second_moments, "pose_moments"),
+                            ("fitted_longest", lambda u: metrics.longest_pose_second_moments(u)[0],
+                             "longest_pose_moments")):
+        if moments[name] is None:
+            moments[name] = fit(train_upper)
+            np.save(os.path.join(run.models, f"{file}.npy"), moments[name].astype("float32"))
+    share = metrics.principal_share(moments["fitted"])
     capsules["pose_principal_share"] = {"per_capsule": [float(v) for v in share],
                                         "mean": float(share.mean())}
+    capsules["training_images_longest"] = np.bincount(
+        np.argmax(np.linalg.norm(train_upper, axis=-1), axis=1), minlength=pipeline.num_upper).tolist()
     sampler = CapsuleSampler(pipeline, seed=config.seed)
     for domain in (["full", "restricted"] if config.restricted else ["full"]):
         restricted = domain == "restricted"
         images = sampler.sample(config.rows, restricted=restricted)["images"]
         capsules[f"samples_{domain}"] = _specialisation(classifier, images, classes)
-        # Not the paper's sampler: draws from each capsule's own pose moments.
-        images = sampler.sample(config.rows, restricted=restricted, moments=moments)["images"]
-        capsules[f"samples_fitted_{domain}"] = _specialisation(classifier, images, classes)
-        figures.image_grid(images[:4], run.file(f"samples_fitted_{domain}.png"),
-                           title=f"One capsule drawn from N(0, M_j), {domain} domain "
-                                 "(not the paper's N(0, I)): one column per capsule",
-                           column_labels=range(images.shape[1]))
+        # Not the paper's sampler: draws from each capsule's own pose moments,
+        # on all training images (N(0, M_j)) or where it is the longest.
+        for name, title in (("fitted", "N(0, M_j)"), ("fitted_longest", "N(0, M_j | j longest)")):
+            images = sampler.sample(config.rows, restricted=restricted, moments=moments[name])["images"]
+            capsules[f"samples_{name}_{domain}"] = _specialisation(classifier, images, classes)
+            figures.image_grid(images[:4], run.file(f"samples_{name}_{domain}.png"),
+                               title=f"One capsule drawn from {title}, {domain} domain "
+                                     "(not the paper's N(0, I)): one column per capsule",
+                               column_labels=range(images.shape[1]))
     result["poecaps"] = capsules
     shown = np.linspace(0, len(test) - 1, 12).astype(int)  # spread over classes
     figures.image_grid(np.stack([test[shown], reconstruction[shown]]), run.file("reconstructions.png"),

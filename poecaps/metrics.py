@@ -100,6 +100,32 @@ def pose_second_moments(upper):
     return np.einsum("njd,nje->jde", z, z) / len(z)
 
 
+def longest_pose_second_moments(upper):
+    """Each upper capsule's second moment on the images where it is the longest, `[J, D, D]`.
+
+    `M_j = E[z_j z_j^T | j = argmax_k |x_k|]`: the poses a capsule takes
+    when it, more than any other, claims the image, which is what a Figure 2
+    column (capsule j on, the others 0) stands for. Capsules with high P(on)
+    on every image have all-data moments (`pose_second_moments`) dominated
+    by images they do not describe. A capsule that is the longest on no
+    image keeps its all-data moment.
+
+    Args:
+        upper: `[N, J, D]` squashed upper capsules of training data.
+
+    Returns:
+        `(moments [J, D, D], wins [J])`: `wins[j]` counts the images on
+        which capsule j is the longest (0: its all-data moment is used).
+    """
+    moments = pose_second_moments(upper)
+    upper = np.asarray(upper)
+    winner = np.argmax(np.linalg.norm(upper, axis=-1), axis=1)
+    wins = np.bincount(winner, minlength=upper.shape[1])
+    for j in np.flatnonzero(wins):
+        moments[j] = pose_second_moments(upper[winner == j, j:j + 1])[0]
+    return moments, wins
+
+
 def principal_share(moments):
     """Share of each capsule's second moment along its principal direction, `[J]`.
 
@@ -178,8 +204,9 @@ def longest_capsule_clusters(lengths, labels, classes):
         dict with, per capsule, `size` (images it wins), `majority` (their
         most common class, None if it wins none) and `purity` (that class's
         share, None likewise); `overall_purity` (share of all images whose
-        class is their cluster's majority) and `classes_covered` (distinct
-        majority classes).
+        class is their cluster's majority), `mean_purity` (over the capsules
+        that win any image, as `specialisation` averages over sampled
+        columns) and `classes_covered` (distinct majority classes).
     """
     lengths, labels = np.asarray(lengths), np.asarray(labels)
     if lengths.ndim != 2 or len(lengths) != len(labels) or len(labels) == 0:
@@ -195,4 +222,5 @@ def longest_capsule_clusters(lengths, labels, classes):
         agreeing += int(counts.max())
     return {"size": size, "majority": majority, "purity": purity,
             "overall_purity": agreeing / len(labels),
+            "mean_purity": float(np.mean([p for p in purity if p is not None])),
             "classes_covered": len({m for m in majority if m is not None})}

@@ -59,6 +59,10 @@ def batched(fn, array, batch_size=256):
                            for k in range(0, len(array), batch_size)])
 
 
+# Arrays a run keeps next to the layers, saved as `<name>.npy` under `models/`.
+ARRAYS = ("mean_directions", "code_mean", "pose_moments", "longest_pose_moments")
+
+
 class CapsulePipeline:
     """The whole capsule path: image -> lower capsules -> upper capsules -> image.
 
@@ -74,10 +78,13 @@ class CapsulePipeline:
             2012), or None for the paper's uncentered capsules.
         pose_moments: `[J, D, D]` second moment of each upper capsule's
             unsquashed training poses (for the sampler's fitted domain), or None.
+        longest_pose_moments: `[J, D, D]` the same on the training images
+            where the capsule is the longest
+            (`poecaps.metrics.longest_pose_second_moments`), or None.
     """
 
     def __init__(self, autoencoder, encoder=None, decoder=None, capsule_dim=8,
-                 mean_directions=None, code_mean=None, pose_moments=None):
+                 mean_directions=None, code_mean=None, pose_moments=None, longest_pose_moments=None):
         self.autoencoder = autoencoder
         self.encoder = encoder
         self.decoder = decoder
@@ -85,6 +92,7 @@ class CapsulePipeline:
         self.mean_directions = mean_directions
         self.code_mean = code_mean
         self.pose_moments = pose_moments
+        self.longest_pose_moments = longest_pose_moments
 
     @property
     def num_upper(self):
@@ -122,7 +130,7 @@ class CapsulePipeline:
         for name in ("autoencoder", "encoder", "decoder"):
             if getattr(self, name) is not None:
                 save_layer(getattr(self, name), os.path.join(directory, f"{name}.npz"))
-        for name in ("mean_directions", "code_mean", "pose_moments"):
+        for name in ARRAYS:
             if getattr(self, name) is not None:
                 np.save(os.path.join(directory, f"{name}.npy"), getattr(self, name))
 
@@ -140,7 +148,7 @@ class CapsulePipeline:
             return np.load(path) if os.path.exists(path) else None
 
         return cls(autoencoder, maybe("encoder"), maybe("decoder"), capsule_dim,
-                   array("mean_directions"), array("code_mean"), array("pose_moments"))
+                   **{name: array(name) for name in ARRAYS})
 
 
 class RunDir:

@@ -23,6 +23,9 @@ class CapsuleSampler:
     sampler: it asks whether one capsule alone, drawn from where its own
     training poses lie, decodes to a specific object, when the capsule uses
     only a few of its D directions and isotropic draws mostly miss them.
+    `poecaps.metrics.longest_pose_second_moments` gives the moments on the
+    images where capsule j is the longest, the poses it takes when it, more
+    than any other capsule, claims the image.
 
     Args:
         pipeline: a trained `poecaps.runs.CapsulePipeline`.

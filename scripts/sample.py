@@ -22,9 +22,10 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=4, help="draws per capsule")
     p.add_argument("--restricted", action="store_true",
                    help="draw from the half-sphere that training data visited")
-    p.add_argument("--fitted", action="store_true",
-                   help="draw each capsule from N(0, M_j), the second moment of its own training poses, "
-                        "instead of the paper's N(0, I)")
+    p.add_argument("--fitted", nargs="?", const="all", choices=["all", "longest"],
+                   help="draw each capsule from N(0, M_j), the second moment of its own training poses "
+                        "('all', the default), or of its poses on the training images where it is the "
+                        "longest ('longest'), instead of the paper's N(0, I)")
     p.add_argument("--dataset", help="ignored: the run's own dataset is used")
     p.add_argument("--data-dir", help="ignored: the run's own data directory is used")
     args = p.parse_args(argv)
@@ -32,13 +33,18 @@ def main(argv=None):
     pipeline = CapsulePipeline.load(run.models, run.read_json("config.json", {}).get("capsule_dim", 8))
     if pipeline.decoder is None:
         sys.exit(f"{args.run_dir} has no trained decoder; run scripts/train_layerwise.py first.")
-    if args.fitted and pipeline.pose_moments is None:
-        sys.exit(f"{args.run_dir} has no pose moments (models/pose_moments.npy); train the decoder "
-                 "stage again or run scripts/evaluate.py, which stores them.")
+    moments = None
+    if args.fitted:
+        name = {"all": "pose_moments", "longest": "longest_pose_moments"}[args.fitted]
+        moments = getattr(pipeline, name)
+        if moments is None:
+            sys.exit(f"{args.run_dir} has no pose moments (models/{name}.npy); train the decoder "
+                     "stage again or run scripts/evaluate.py, which stores them.")
     result = CapsuleSampler(pipeline, seed=args.seed).sample(
-        args.rows, restricted=args.restricted, moments=pipeline.pose_moments if args.fitted else None)
+        args.rows, restricted=args.restricted, moments=moments)
     np.savez(run.file("samples.npz"), images=result["images"], draws=result["draws"])
-    domain = ("fitted_" if args.fitted else "") + ("restricted" if args.restricted else "full")
+    fitted = {None: "", "all": "fitted_", "longest": "fitted_longest_"}[args.fitted]
+    domain = fitted + ("restricted" if args.restricted else "full")
     for name in ("samples.png", f"samples_{domain}.png"):
         figures.image_grid(result["images"], run.file(name),
                            title=f"Samples from capsule space ({domain} domain): one column per capsule",

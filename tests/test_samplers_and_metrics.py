@@ -84,6 +84,20 @@ def test_pose_second_moments_against_numpy_unsquash(rng):
         metrics.pose_second_moments(upper[0])
 
 
+def test_longest_pose_second_moments_hand_computed():
+    z = np.array([[[3.0, 0.0], [1.0, 0.0], [0.0, 0.5]],     # capsule 0 longest
+                  [[0.0, 1.0], [0.0, 4.0], [0.5, 0.0]],     # capsule 1 longest
+                  [[2.0, 2.0], [1.0, 1.0], [0.0, 0.1]]])    # capsule 0 longest
+    sq = np.sum(z * z, axis=-1, keepdims=True)
+    upper = (sq / (1 + sq) * z / np.sqrt(sq)).astype("float32")      # squash, written out
+    moments, wins = metrics.longest_pose_second_moments(upper)
+    np.testing.assert_array_equal(wins, [2, 1, 0])
+    expected = np.stack([[[6.5, 2.0], [2.0, 2.0]],                  # ([3,0][3,0]' + [2,2][2,2]') / 2
+                         [[0.0, 0.0], [0.0, 16.0]],                 # [0,4][0,4]'
+                         [[0.25 / 3, 0.0], [0.0, 0.26 / 3]]])       # never longest: all 3 images
+    np.testing.assert_allclose(moments, expected, rtol=2e-3, atol=1e-4)
+
+
 def test_principal_share_hand_computed():
     moments = np.stack([np.diag([4.0, 1.0, 0.0]), np.eye(3), np.diag([0.0, 2.0, 0.0])])
     np.testing.assert_allclose(metrics.principal_share(moments), [0.8, 1 / 3, 1.0])
@@ -177,6 +191,7 @@ def test_longest_capsule_clusters_hand_computed():
     np.testing.assert_allclose(result["purity"][0], 2 / 3)
     assert result["purity"][1] is None and result["purity"][2] == 1.0
     np.testing.assert_allclose(result["overall_purity"], 4 / 5)
+    np.testing.assert_allclose(result["mean_purity"], (2 / 3 + 1.0) / 2)   # capsule 1 wins none
     assert result["classes_covered"] == 2
     with pytest.raises(ValueError, match="lengths"):
         metrics.longest_capsule_clusters(lengths, labels[:4], classes=3)

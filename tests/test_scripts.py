@@ -72,7 +72,7 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
     for name in ("config.json", "metrics.jsonl", "filters.png", "training_curves.png",
                  "models/autoencoder.npz", "models/encoder.npz", "models/decoder.npz",
                  "models/rbm.npz", "models/code_mean.npy", "models/mean_directions.npy",
-                 "models/pose_moments.npy"):
+                 "models/pose_moments.npy", "models/longest_pose_moments.npy"):
         assert os.path.exists(os.path.join(run, name)), name
     resumed = _run("train_layerwise.py", *common, "--resume", "--encoder-epochs", "2")
     assert resumed.count("already trained") == 4
@@ -93,6 +93,8 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
     with np.load(os.path.join(run, "samples.npz")) as samples:
         assert samples["images"].shape == (2, 4, 28, 28, 1)
     assert os.path.exists(os.path.join(run, "samples_fitted_full.png"))
+    _run("sample.py", "--run-dir", run, "--rows", "2", "--fitted", "longest", "--restricted")
+    assert os.path.exists(os.path.join(run, "samples_fitted_longest_restricted.png"))
 
     out = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1")
     result = json.loads(out[out.index("{"):])
@@ -100,11 +102,16 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
         assert json.load(handle) == result
     for key in ("reconstruction_mse", "probe_accuracy_vectors", "probe_accuracy_lengths",
                 "samples_full", "samples_restricted", "samples_fitted_full", "samples_fitted_restricted",
-                "one_capsule_reconstruction_class_accuracy", "longest_capsule_clusters"):
+                "samples_fitted_longest_full", "samples_fitted_longest_restricted",
+                "one_capsule_reconstruction_class_accuracy", "longest_capsule_clusters",
+                "one_capsule_decoded_clusters"):
         assert key in result["poecaps"]
     assert 0.0 <= result["poecaps"]["samples_full"]["mean_purity"] <= 1.0
     assert 1 <= result["poecaps"]["samples_full"]["classes_covered"] <= 4
     assert sum(result["poecaps"]["longest_capsule_clusters"]["size"]) == result["test_images"]
+    assert (result["poecaps"]["one_capsule_decoded_clusters"]["size"]
+            == result["poecaps"]["longest_capsule_clusters"]["size"])
+    assert sum(result["poecaps"]["training_images_longest"]) == result["train_images"]
     share = result["poecaps"]["pose_principal_share"]
     assert len(share["per_capsule"]) == 4 and 0.25 - 1e-6 <= share["mean"] <= 1.0 + 1e-6
     assert result["rbm"]["hidden_units"] == 20

@@ -221,6 +221,8 @@ def train_stage(stage, config, run, train, test, resume=False):
         np.save(os.path.join(run.models, "mean_directions.npy"), directions.astype("float32"))
         np.save(os.path.join(run.models, "pose_moments.npy"),
                 metrics.pose_second_moments(upper).astype("float32"))
+        np.save(os.path.join(run.models, "longest_pose_moments.npy"),
+                metrics.longest_pose_second_moments(upper)[0].astype("float32"))
     else:
         raise InputError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
 
