@@ -60,7 +60,7 @@ def test_field_help_reads_comments_of_the_class_and_its_bases():
 
 
 @pytest.mark.slow
-def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
+def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch):
     run = str(tmp_path / "run")
     common = ["--dataset", "mnist", "--data-dir", mnist_dir, "--run-dir", run, "--seed", "3",
               "--limit", "256", "--batch-size", "64", "--heldout-size", "64", "--filters", "16",
@@ -116,6 +116,26 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir):
     assert len(share["per_capsule"]) == 4 and 0.25 - 1e-6 <= share["mean"] <= 1.0 + 1e-6
     assert result["rbm"]["hidden_units"] == 20
     assert os.path.exists(os.path.join(run, "reconstructions.png"))
+
+
+    # --decoder-input longest: the decoder stage trains on each image's code cut
+    # to its longest capsule, with the whole image's lower capsules as targets.
+    from poecaps import metrics
+    from poecaps.runs import CapsulePipeline, RunDir, batched
+    from trainers import layerwise
+
+    config = layerwise.LayerwiseConfig(**{**RunDir(run).read_json("config.json"), "decoder_input": "longest"})
+    train, _, _ = layerwise.load_images(config, "train")
+    test, _, _ = layerwise.load_images(config, "test")
+    pipeline = CapsulePipeline.load(os.path.join(run, "models"), config.capsule_dim)
+    lower = batched(pipeline.lower_capsules, train)
+    seen = {}
+    monkeypatch.setattr(layerwise, "_fit", lambda trainer, x, *args, y=None, **kwargs: seen.update(x=x, y=y))
+    layerwise.train_stage("decoder", config, RunDir(run), train, test)
+    np.testing.assert_allclose(seen["x"], metrics.keep_longest(batched(pipeline.upper_capsules, lower)),
+                               rtol=1e-5, atol=1e-6)
+    assert np.all(np.count_nonzero(np.linalg.norm(seen["x"], axis=-1), axis=1) == 1)
+    np.testing.assert_allclose(seen["y"], lower, rtol=1e-5, atol=1e-6)
 
 
 def test_resume_refuses_a_different_architecture(tmp_path, mnist_dir):

@@ -71,6 +71,7 @@ class LayerwiseConfig(RunOptions):
     persistent: bool = False          # persistent chains (PCD) instead of CD-k from the data
     decoder_init: str = "encoder_transpose"   # or "random"
     decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
+    decoder_input: str = "all"        # decoder trained on all 20 capsules ("all", the paper) or on each image's longest only ("longest")
     jit_cd: bool = True               # XLA for the CD stages (not the autoencoder)
     cd_shards: int | None = None      # capsule CD steps in this many concurrent XLA parts (default: 2 on a CPU, 1 with a GPU; needs --jit-cd)
     # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)
@@ -103,6 +104,9 @@ class LayerwiseConfig(RunOptions):
         if self.decoder_rule not in ("clamped", "mirror"):
             raise InputError(f"decoder_rule must be 'clamped' or 'mirror'. "
                              f"Received: decoder_rule={self.decoder_rule!r}")
+        if self.decoder_input not in ("all", "longest"):
+            raise InputError(f"decoder_input must be 'all' or 'longest'. "
+                             f"Received: decoder_input={self.decoder_input!r}")
         if self.decoder_init not in ("encoder_transpose", "random"):
             raise InputError(f"decoder_init must be 'encoder_transpose' or 'random'. "
                              f"Received: decoder_init={self.decoder_init!r}")
@@ -214,9 +218,15 @@ def train_stage(stage, config, run, train, test, resume=False):
         if config.decoder_init == "encoder_transpose":
             decoder.kernel.assign(keras.ops.transpose(pipeline.encoder.kernel, (1, 0, 3, 2)))
         heldout_upper = batched(pipeline.upper_capsules, heldout_lower)
+        inputs = upper
+        if config.decoder_input == "longest":
+            # Each image's code cut to its longest capsule (the others 0), so the
+            # decoder learns what one capsule alone stands for, as a Figure 2
+            # sample asks of it; the targets stay the whole image's capsules.
+            inputs, heldout_upper = metrics.keep_longest(upper), metrics.keep_longest(heldout_upper)
         trainer = _cd_trainer(decoder, config, steps, heldout_upper, config.decoder_learning_rate)
         targets = lower if config.decoder_rule == "clamped" else None
-        _fit(trainer, upper, config, run, stage, config.decoder_epochs, resume, y=targets)
+        _fit(trainer, inputs, config, run, stage, config.decoder_epochs, resume, y=targets)
         save_layer(decoder, os.path.join(run.models, "decoder.npz"))
         np.save(os.path.join(run.models, "mean_directions.npy"), directions.astype("float32"))
         np.save(os.path.join(run.models, "pose_moments.npy"),
