@@ -71,7 +71,7 @@ class LayerwiseConfig(RunOptions):
     persistent: bool = False          # persistent chains (PCD) instead of CD-k from the data
     decoder_init: str = "encoder_transpose"   # or "random"
     decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
-    decoder_input: str = "all"        # decoder trained on all 20 capsules ("all", the paper) or on each image's longest only ("longest")
+    decoder_input: str = "all"        # decoder trained on the whole upper code ("all", the paper) or on each image's longest capsule only ("longest")
     jit_cd: bool = True               # XLA for the CD stages (not the autoencoder)
     cd_shards: int | None = None      # capsule CD steps in this many concurrent XLA parts (default: 2 on a CPU, 1 with a GPU; needs --jit-cd)
     # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)
