@@ -1,6 +1,5 @@
 """Evaluate a supervised baseline run: accuracy, robustness, routing statistics, figures."""
 
-import dataclasses
 import os
 
 import keras
@@ -8,19 +7,10 @@ import numpy as np
 import tensorflow as tf
 
 from poecaps import figures, transforms
+from poecaps.configs import BaselineConfig, BaselineEvaluationConfig
 from poecaps.runs import RunDir
 
 ROTATIONS = (0, 45, 90, 135, 180)
-
-
-@dataclasses.dataclass(frozen=True)
-class BaselineEvaluationConfig:
-    """Settings of `scripts/baseline.py --evaluate-only` and of the evaluation after training."""
-
-    seed: int = 0                  # seeds the random affine transforms
-    batch_size: int = 256          # images per forward pass
-    perturb_examples: int = 3      # test images for the Sabour Figure 4 perturbation plot
-    test_limit: int | None = None  # evaluate on only this many test images
 
 
 def compiled_predictor(model, jit_compile=False):
@@ -105,9 +95,10 @@ def _figures(model, run, images, labels, config):
     return written
 
 
-def evaluate_baseline(run_dir, config=BaselineEvaluationConfig()):
-    """Compute and write `run_dir/eval.json`; returns the dict."""
-    from trainers.baselines import BaselineConfig, load_split
+def evaluate_baseline(run_dir, config=None):
+    """Compute and write `run_dir/eval.json`; returns the dict (`config`: a `BaselineEvaluationConfig`)."""
+    config = config or BaselineEvaluationConfig()
+    from trainers.baselines import load_split
 
     run = RunDir(run_dir)
     path = os.path.join(run.models, "baseline.keras")

@@ -19,9 +19,7 @@ import keras
 from keras import ops
 
 from poecaps.errors import InputError
-
-STRATEGIES = ("default", "mirrored", "multiworker")
-PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+from poecaps.run_options import PRECISIONS, STRATEGIES
 
 
 def get_strategy(name="default"):

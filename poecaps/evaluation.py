@@ -4,25 +4,15 @@ The same figures are computed for the capsule path and for the Bernoulli
 RBM trained on the same data and budget.
 """
 
-import dataclasses
 import os
 
 import keras
 import numpy as np
 
 from poecaps import figures, metrics
+from poecaps.configs import EvaluationConfig, LayerwiseConfig
 from poecaps.runs import CapsulePipeline, RunDir, batched, load_layer
 from samplers import CapsuleSampler, RBMSampler
-
-
-@dataclasses.dataclass(frozen=True)
-class EvaluationConfig:
-    """Settings of `scripts/evaluate.py`."""
-
-    seed: int = 0                  # seeds the reference classifier and the samples
-    rows: int = 20                 # samples per capsule for specialisation
-    classifier_epochs: int = 3     # reference classifier epochs (trained once per run)
-    restricted: bool = True        # also report the restricted domain
 
 
 def _classifier(run, train, train_labels, test, test_labels, config):
@@ -48,9 +38,10 @@ def _specialisation(classifier, images, classes):
     return metrics.specialisation(predicted.reshape(rows, cols), classes)
 
 
-def evaluate_run(run_dir, config=EvaluationConfig()):
-    """Compute and write `run_dir/eval.json`; returns the dict."""
-    from trainers.layerwise import LayerwiseConfig, load_images
+def evaluate_run(run_dir, config=None):
+    """Compute and write `run_dir/eval.json`; returns the dict (`config`: an `EvaluationConfig`)."""
+    config = config or EvaluationConfig()
+    from trainers.layerwise import load_images
 
     run = RunDir(run_dir)
     train_config = LayerwiseConfig(**run.read_json("config.json"))

@@ -15,8 +15,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.errors import InputError, NonFiniteError
-
-POLICIES = ("stop", "reduce-lr", "off")
+from poecaps.run_options import POLICIES
 
 
 @keras.saving.register_keras_serializable(package="poecaps")

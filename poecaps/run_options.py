@@ -2,9 +2,13 @@
 
 import dataclasses
 
-from poecaps.distribute import PRECISIONS, STRATEGIES
 from poecaps.errors import InputError
-from poecaps.guard import POLICIES
+
+# Kept free of TensorFlow so that a script's --help answers at once
+# (`poecaps.distribute` and `poecaps.guard` use these names).
+STRATEGIES = ("default", "mirrored", "multiworker")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+POLICIES = ("stop", "reduce-lr", "off")
 
 
 @dataclasses.dataclass(frozen=True)

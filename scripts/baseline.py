@@ -12,8 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from poecaps import cli
-from poecaps.baseline_evaluation import BaselineEvaluationConfig, evaluate_baseline
-from trainers.baselines import BaselineConfig, train_baseline
+from poecaps.configs import BaselineConfig, BaselineEvaluationConfig
 
 
 def main(argv=None):
@@ -21,6 +20,9 @@ def main(argv=None):
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
     p.add_argument("--test-limit", type=int, default=None, help="evaluate on this many test images")
     args = p.parse_args(argv)
+    from poecaps.baseline_evaluation import evaluate_baseline  # TensorFlow: after --help
+    from trainers.baselines import train_baseline
+
     if not args.evaluate_only:
         train_baseline(cli.config_from_args(BaselineConfig, args), args.run_dir, resume=args.resume)
     result = evaluate_baseline(args.run_dir, BaselineEvaluationConfig(seed=args.seed, test_limit=args.test_limit))

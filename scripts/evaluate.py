@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from poecaps import cli
-from poecaps.evaluation import EvaluationConfig, evaluate_run
+from poecaps.configs import EvaluationConfig
 
 
 def main(argv=None):
@@ -19,6 +19,8 @@ def main(argv=None):
     p.add_argument("--dataset", help="ignored: the run's own dataset is used")
     p.add_argument("--data-dir", help="ignored: the run's own data directory is used")
     args = p.parse_args(argv)
+    from poecaps.evaluation import evaluate_run  # TensorFlow: after --help
+
     result = evaluate_run(args.run_dir, cli.config_from_args(EvaluationConfig, args))
     print(json.dumps(result, indent=2))
 

@@ -9,11 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
-
-from poecaps import cli, figures
-from poecaps.runs import CapsulePipeline, RunDir
-from samplers import CapsuleSampler
+from poecaps import cli
 
 
 def main(argv=None):
@@ -29,6 +25,13 @@ def main(argv=None):
     p.add_argument("--dataset", help="ignored: the run's own dataset is used")
     p.add_argument("--data-dir", help="ignored: the run's own data directory is used")
     args = p.parse_args(argv)
+    # TensorFlow only once the flags are parsed: --help answers at once.
+    import numpy as np
+
+    from poecaps import figures
+    from poecaps.runs import CapsulePipeline, RunDir
+    from samplers import CapsuleSampler
+
     run = RunDir(args.run_dir)
     pipeline = CapsulePipeline.load(run.models, run.read_json("config.json", {}).get("capsule_dim", 8))
     if pipeline.decoder is None:

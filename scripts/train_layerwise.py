@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from poecaps import cli
-from trainers.layerwise import STAGES, LayerwiseConfig, train_layerwise
+from poecaps.configs import STAGES, LayerwiseConfig
 
 
 def main(argv=None):
@@ -18,6 +18,8 @@ def main(argv=None):
     p.add_argument("--stage", choices=STAGES, action="append",
                    help="train only this stage (repeatable); default: all, in order")
     args = p.parse_args(argv)
+    from trainers.layerwise import train_layerwise  # TensorFlow: after --help
+
     train_layerwise(cli.config_from_args(LayerwiseConfig, args), args.run_dir,
                     stages=args.stage or STAGES, resume=args.resume)
 

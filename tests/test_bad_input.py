@@ -11,15 +11,14 @@ import pytest
 
 from poecaps import data as data_lib
 from poecaps import routing
+from poecaps.configs import BaselineConfig, LayerwiseConfig
 from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import PrimaryCapsules
 from poecaps.resumable import fit_resumable
 from poecaps.routing import EMRouting
 from poecaps.run_options import RunOptions
-from trainers.baselines import BaselineConfig
 from trainers.cd import CDTrainer, default_optimizer
-from trainers.layerwise import LayerwiseConfig
 from trainers.supervised import CapsNet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from trainers.baselines import BaselineConfig
+from poecaps.configs import BaselineConfig
 from trainers.shards import default_shards
 from trainers.supervised import CapsNet, MatrixCapsNet
 

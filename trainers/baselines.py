@@ -13,79 +13,13 @@ from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.guard import ScaledSchedule
 from poecaps.resumable import fit_resumable
-from poecaps.run_options import RunOptions
 from poecaps.runs import RunDir
 from poecaps.validation import check_images
-from trainers.shards import default_shards
 from trainers.supervised import CHUNK_CAPSULES, CapsNet, MatrixCapsNet
 
-MODELS = ("capsnet", "em")
 # Settings that fix the data or the model's shape: a resumed run must keep them.
 ARCHITECTURE = ("model", "dataset", "limit", "seed", "routing_iterations", "reconstruction",
                 "em_size", "em_cost_normalization")
-
-
-@dataclasses.dataclass(frozen=True)
-class BaselineConfig(RunOptions):
-    """Every setting of a baseline run (the papers' choices by default)."""
-
-    model: str = "capsnet"             # "capsnet" (dynamic routing) or "em" (matrix capsules)
-    dataset: str = "fashion_mnist"     # "mnist" or "fashion_mnist"
-    data_dir: str | None = None        # IDX folder (default: Debian path, then TFDS)
-    seed: int = 0                      # seeds weights, shuffling and augmentation
-    limit: int | None = None           # use only this many training images
-    epochs: int = 1                    # training epochs
-    batch_size: int = 128              # images per step
-    routing_iterations: int = -1       # -1: the paper's (2 agreement updates for CapsNet, 3 EM rounds)
-    reconstruction: bool = True        # CapsNet's reconstruction decoder and loss
-    learning_rate: float = 1e-3        # Adam's initial learning rate
-    decay_rate: float = 0.96           # Adam's learning rate times this every epoch
-    max_shift: int = 2                 # random shifts (CapsNet)
-    em_size: str = "small"             # "small" (A=64, B=8, C=D=16) or "paper" (all 32)
-    em_cost_normalization: str = "standardize"   # or "none": the paper's eq. 27
-    em_final_lambda: float = -1.0      # -1: 1 with standardised costs, 0.01 with the paper's
-    jit_compile: str = "auto"          # "auto": XLA for EM (routing-bound), not for CapsNet (conv-bound)
-    shards: int | None = None          # each train step in this many concurrent XLA parts (default: 2 on a CPU under XLA, else 1; needs XLA)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.model not in MODELS:
-            raise InputError(f"model must be one of {MODELS}. Received: model={self.model!r}")
-        if self.dataset not in data_lib.DATASETS:
-            raise InputError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
-        if self.em_size not in ("small", "paper"):
-            raise InputError(f"em_size must be 'small' or 'paper'. Received: em_size={self.em_size!r}")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
-        if self.learning_rate <= 0:
-            raise InputError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate}")
-        if self.jit_compile not in ("auto", "true", "false"):
-            raise InputError("jit_compile must be 'auto', 'true' or 'false'. "
-                             f"Received: jit_compile={self.jit_compile!r}")
-        if self.shards is not None and (self.shards < 1 or (self.shards > 1 and not self.xla)):
-            raise InputError(f"shards must be >= 1, and 1 without XLA (each shard is an XLA "
-                             f"computation). Received: shards={self.shards}, jit_compile={self.jit_compile!r}")
-        if self.routing_iterations < -1 or (self.model == "em" and self.routing_iterations == 0):
-            raise InputError("routing_iterations must be >= 0 for capsnet, >= 1 for em, or -1 for "
-                             f"the paper's. Received: routing_iterations={self.routing_iterations}")
-
-    @property
-    def xla(self):
-        return self.model == "em" if self.jit_compile == "auto" else self.jit_compile == "true"
-
-    @property
-    def train_shards(self):
-        """Concurrent XLA parts of each train step: `shards`, or 2 on a CPU under XLA, else 1."""
-        if self.shards is not None:
-            return self.shards
-        return default_shards() if self.xla else 1
-
-    @property
-    def iterations(self):
-        if self.routing_iterations >= 0:
-            return self.routing_iterations
-        return 2 if self.model == "capsnet" else 3
 
 
 def load_split(config, split):

@@ -16,100 +16,22 @@ import numpy as np
 
 from poecaps import data as data_lib
 from poecaps import distribute, figures, metrics
+from poecaps.configs import STAGES, LayerwiseConfig
 from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
 from poecaps.rbm import BernoulliRBM
 from poecaps.resumable import fit_resumable
 from poecaps.routing import DynamicRouting
-from poecaps.run_options import RunOptions
 from poecaps.runs import CapsulePipeline, RunDir, batched, build_layer, load_layer, save_layer
 from poecaps.validation import check_images
 from trainers.autoencoder import AutoencoderTrainer
 from trainers.cd import CDTrainer, FreeEnergyGap, default_optimizer
 from trainers.shards import default_shards
 
-STAGES = ("autoencoder", "encoder", "decoder", "rbm")
 # Settings that fix the data or a component's shape: a resumed run must keep them.
 ARCHITECTURE = ("dataset", "limit", "seed", "filters", "kernel_size", "strides", "capsule_dim",
                 "num_capsules", "upper_dim", "rbm_hidden")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerwiseConfig(RunOptions):
-    """Every setting of a layer-wise run (the paper's sizes by default)."""
-
-    dataset: str = "fashion_mnist"    # "mnist" or "fashion_mnist"
-    data_dir: str | None = None       # IDX folder (default: Debian path, then TFDS)
-    seed: int = 0                     # seeds weights, shuffling, dropout and sampling
-    limit: int | None = None          # use only this many training images
-    batch_size: int = 128             # images per step, every stage
-    heldout_size: int = 256           # test images for the free-energy gap
-    # front end (section 4.1)
-    filters: int = 128                # channels of both conv layers
-    kernel_size: int = 9              # square filter size
-    strides: int = 2                  # stride of the second conv layer
-    dropout: float = 0.1              # dropout rate after each conv layer
-    ae_epochs: int = 1                # autoencoder epochs
-    ae_learning_rate: float = 1e-3    # Adam learning rate of the autoencoder
-    capsule_dim: int = 8              # pose size of the primary (lower) capsules
-    # capsule encoder / decoder (Algorithm 1)
-    num_capsules: int = 20            # upper capsules of the encoder
-    upper_dim: int = 16               # pose size of the upper capsules
-    routing_iterations: int = 3       # dynamic-routing agreement updates (0: uniform coefficients)
-    agreement: str = "cosine"         # "cosine" (Hauser) or "dot" (Sabour)
-    center_code: bool = True          # subtract the mean code before forming capsules
-    normalize: str = "parents"        # encoder coefficients: sum over parents (Sabour) or children (eq. 3)
-    encoder_epochs: int = 3           # CD epochs of the capsule encoder (and of the RBM)
-    decoder_epochs: int = 3           # CD epochs of the capsule decoder
-    cd_learning_rate: float = 0.1     # SGD learning rate of the encoder
-    decoder_learning_rate: float = 1.0    # SGD learning rate of the decoder
-    decay_rate: float = 0.9           # learning rate multiplied by this every epoch
-    momentum: float = 0.9             # SGD momentum of the CD stages
-    l2: float = 1e-4                  # L2 weight decay of the CD stages
-    cd_steps: int = 1                 # k of CD-k
-    persistent: bool = False          # persistent chains (PCD) instead of CD-k from the data
-    decoder_init: str = "encoder_transpose"   # or "random"
-    decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
-    decoder_input: str = "all"        # decoder trained on the whole upper code ("all", the paper) or on each image's longest capsule only ("longest")
-    jit_cd: bool = True               # XLA for the CD stages (not the autoencoder)
-    cd_shards: int | None = None      # capsule CD steps in this many concurrent XLA parts (default: 2 on a CPU, 1 with a GPU; needs --jit-cd)
-    # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)
-    sparsity_target: float = 0.1      # target mean P(on) of the encoder's upper capsules
-    sparsity_cost: float = 0.0        # weight of the sparsity penalty (0: off)
-    # baseline
-    rbm_hidden: int = 20              # hidden units of the baseline Bernoulli RBM
-    rbm_learning_rate: float = 0.05   # SGD learning rate of the RBM
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.filters % self.capsule_dim:
-            raise InputError(f"capsule_dim must divide filters (the code's channels form capsules). "
-                             f"Received: capsule_dim={self.capsule_dim}, filters={self.filters}")
-        if self.dataset not in data_lib.DATASETS:
-            raise InputError(f"dataset must be one of {data_lib.DATASETS}. Received: dataset={self.dataset!r}")
-        for name in ("batch_size", "num_capsules", "upper_dim", "capsule_dim", "cd_steps"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
-        for name in ("ae_learning_rate", "cd_learning_rate", "decoder_learning_rate",
-                     "rbm_learning_rate"):
-            if getattr(self, name) <= 0:
-                raise InputError(f"{name} must be positive. Received: {name}={getattr(self, name)}")
-        if not 0.0 < self.sparsity_target < 1.0 or self.sparsity_cost < 0:
-            raise InputError(f"sparsity_target must be in (0, 1) and sparsity_cost >= 0. Received: "
-                             f"sparsity_target={self.sparsity_target}, sparsity_cost={self.sparsity_cost}")
-        if self.cd_shards is not None and (self.cd_shards < 1 or (self.cd_shards > 1 and not self.jit_cd)):
-            raise InputError(f"cd_shards must be >= 1, and 1 without jit_cd (each shard is an XLA "
-                             f"computation). Received: cd_shards={self.cd_shards}, jit_cd={self.jit_cd}")
-        if self.decoder_rule not in ("clamped", "mirror"):
-            raise InputError(f"decoder_rule must be 'clamped' or 'mirror'. "
-                             f"Received: decoder_rule={self.decoder_rule!r}")
-        if self.decoder_input not in ("all", "longest"):
-            raise InputError(f"decoder_input must be 'all' or 'longest'. "
-                             f"Received: decoder_input={self.decoder_input!r}")
-        if self.decoder_init not in ("encoder_transpose", "random"):
-            raise InputError(f"decoder_init must be 'encoder_transpose' or 'random'. "
-                             f"Received: decoder_init={self.decoder_init!r}")
 
 
 def load_images(config, split):
