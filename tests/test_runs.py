@@ -1,0 +1,76 @@
+"""`runs.batched` keeps a bound method's traced graph, and never runs a stale one."""
+
+import gc
+import weakref
+
+import numpy as np
+
+from poecaps.layers import ConvAutoencoder
+from poecaps.runs import CapsulePipeline, batched
+
+
+class Scale:
+    """`apply` records each trace: its Python body runs only while TensorFlow traces it."""
+
+    def __init__(self, factor):
+        self.factor = factor
+        self.traces = []
+
+    def apply(self, x):
+        self.traces.append(x.shape)
+        return x * self.factor
+
+    def shift(self, x):
+        self.traces.append(x.shape)
+        return x + self.factor
+
+
+def test_a_bound_methods_graph_is_kept_between_calls():
+    x = np.arange(30, dtype="float32").reshape(10, 3)
+    scale = Scale(2.0)
+    np.testing.assert_allclose(batched(scale.apply, x, batch_size=4), 2 * x)
+    traces = len(scale.traces)
+    assert 1 <= traces <= 2  # the full batches, then perhaps the relaxed shape of the last one
+    np.testing.assert_allclose(batched(scale.apply, x, batch_size=4), 2 * x)
+    np.testing.assert_allclose(batched(scale.apply, x[:7], batch_size=4), 2 * x[:7])
+    assert len(scale.traces) == traces
+    np.testing.assert_allclose(batched(scale.shift, x, batch_size=4), x + 2)  # its own graph
+    assert len(scale.traces) > traces
+
+
+def test_rebinding_an_attribute_of_the_owner_traces_again():
+    x = np.arange(12, dtype="float32").reshape(4, 3)
+    scale = Scale(2.0)
+    batched(scale.apply, x)
+    scale.factor = 3.0
+    np.testing.assert_allclose(batched(scale.apply, x), 3 * x)
+    scale.factor = np.float32(-1.0)
+    np.testing.assert_allclose(batched(scale.apply, x), -x)
+
+
+def test_a_kept_graph_does_not_keep_its_owner_alive():
+    scale = Scale(2.0)
+    batched(scale.apply, np.ones((4, 3), "float32"))
+    owner = weakref.ref(scale)
+    del scale
+    gc.collect()
+    assert owner() is None
+
+
+def test_a_pipeline_with_a_new_code_mean_or_autoencoder_decodes_with_it():
+    autoencoder = ConvAutoencoder(filters=8, kernel_size=3, dropout=0.0, seed=0)
+    images = np.random.default_rng(0).random((5, 12, 12, 1), dtype="float32")
+    autoencoder(images)
+    pipeline = CapsulePipeline(autoencoder, capsule_dim=4)
+    lower = batched(pipeline.lower_capsules, images)
+    outputs = [batched(pipeline.decode_lower, lower)]
+    np.testing.assert_allclose(outputs[-1], pipeline.decode_lower(lower), atol=1e-6)
+    pipeline.code_mean = np.full(autoencoder.code_shape, 0.5, "float32")
+    outputs.append(batched(pipeline.decode_lower, lower))
+    np.testing.assert_allclose(outputs[-1], pipeline.decode_lower(lower), atol=1e-6)
+    pipeline.autoencoder = ConvAutoencoder(filters=8, kernel_size=3, dropout=0.0, seed=1)
+    pipeline.autoencoder(images)
+    outputs.append(batched(pipeline.decode_lower, lower))
+    np.testing.assert_allclose(outputs[-1], pipeline.decode_lower(lower), atol=1e-6)
+    # each change shows in the output, so a stale graph would fail the checks above
+    assert np.abs(outputs[1] - outputs[0]).max() > 1e-3 and np.abs(outputs[2] - outputs[1]).max() > 1e-3
