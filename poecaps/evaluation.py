@@ -4,7 +4,10 @@ The same figures are computed for the capsule path and for the Bernoulli
 RBM trained on the same data and budget.
 """
 
+import contextlib
 import os
+import sys
+import time
 
 import keras
 import numpy as np
@@ -15,6 +18,15 @@ from poecaps.runs import CapsulePipeline, RunDir, batched, load_layer
 from samplers import CapsuleSampler, RBMSampler
 
 
+@contextlib.contextmanager
+def _phase(what):
+    """Report a step of the evaluation and its time on stderr (stdout carries the JSON)."""
+    print(f"[evaluate] {what} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"[evaluate] {what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 def _classifier(run, train, train_labels, test, test_labels, config):
     path = os.path.join(run.models, "reference_classifier.keras")
     if os.path.exists(path):
@@ -22,7 +34,8 @@ def _classifier(run, train, train_labels, test, test_labels, config):
     else:
         model = metrics.reference_classifier(train.shape[1:], int(train_labels.max()) + 1, config.seed)
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        model.fit(train, train_labels, epochs=config.classifier_epochs, batch_size=128, verbose=2)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the figures (JSON)
+            model.fit(train, train_labels, epochs=config.classifier_epochs, batch_size=128, verbose=2)
         model.save(path)
     accuracy = float(model.evaluate(test, test_labels, verbose=0)[1])
     return model, accuracy
@@ -38,6 +51,44 @@ def _specialisation(classifier, images, classes):
     return metrics.specialisation(predicted.reshape(rows, cols), classes)
 
 
+def _capsule_samples(pipeline, moments, classifier, classes, run, config):
+    """Specialisation of the Figure 2 grid and of the fitted draws; writes their figures."""
+    found = {}
+    sampler = CapsuleSampler(pipeline, seed=config.seed)
+    for domain in (["full", "restricted"] if config.restricted else ["full"]):
+        restricted = domain == "restricted"
+        images = sampler.sample(config.rows, restricted=restricted)["images"]
+        found[f"samples_{domain}"] = _specialisation(classifier, images, classes)
+        # Not the paper's sampler: draws from each capsule's own pose moments,
+        # on all training images (N(0, M_j)) or where it is the longest.
+        for name, title in (("fitted", "N(0, M_j)"), ("fitted_longest", "N(0, M_j | j longest)")):
+            images = sampler.sample(config.rows, restricted=restricted, moments=moments[name])["images"]
+            found[f"samples_{name}_{domain}"] = _specialisation(classifier, images, classes)
+            figures.image_grid(images[:4], run.file(f"samples_{name}_{domain}.png"),
+                               title=f"One capsule drawn from {title}, {domain} domain "
+                                     "(not the paper's N(0, I)): one column per capsule",
+                               column_labels=range(images.shape[1]))
+    return found
+
+
+def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classes, run, config):
+    """The baseline's figures: reconstruction, probe on P(on), samples' specialisation."""
+    flat = lambda x: x.reshape(len(x), -1)
+    hidden_train, hidden_test = batched(rbm.p_on, flat(train)), batched(rbm.p_on, flat(test))
+    rbm_images = RBMSampler(rbm, train.shape[1:], seed=config.seed).sample(config.rows)["images"]
+    figures.image_grid(rbm_images[:4], run.file("rbm_samples.png"),
+                       title="Bernoulli RBM: one column per hidden unit")
+    return {
+        "hidden_units": rbm.num_hidden,
+        "reconstruction_mse": metrics.mse(
+            test, batched(rbm.reconstruct, flat(test)).reshape(test.shape)),
+        "probe_accuracy_hidden": metrics.linear_probe(
+            hidden_train, train_labels, hidden_test, test_labels),
+        "samples_full": _specialisation(classifier, rbm_images, classes),
+        "probability_selectivity": metrics.class_selectivity(hidden_test, test_labels, classes),
+    }
+
+
 def evaluate_run(run_dir, config=None):
     """Compute and write `run_dir/eval.json`; returns the dict (`config`: an `EvaluationConfig`)."""
     config = config or EvaluationConfig()
@@ -48,25 +99,30 @@ def evaluate_run(run_dir, config=None):
     train, train_labels, _ = load_images(train_config, "train")
     test, test_labels, _ = load_images(train_config, "test")
     classes = int(max(train_labels.max(), test_labels.max())) + 1
-    classifier, classifier_accuracy = _classifier(run, train, train_labels, test, test_labels, config)
+    with _phase("reference classifier"):
+        classifier, classifier_accuracy = _classifier(run, train, train_labels, test, test_labels, config)
     result = {"dataset": train_config.dataset, "train_images": len(train), "test_images": len(test),
               "reference_classifier_test_accuracy": classifier_accuracy}
 
     pipeline = CapsulePipeline.load(run.models, train_config.capsule_dim)
     if pipeline.encoder is None or pipeline.decoder is None:
         raise FileNotFoundError(f"{run_dir} has no trained encoder and decoder; train them first.")
-    test_lower = batched(pipeline.lower_capsules, test)
-    test_upper = batched(pipeline.upper_capsules, test_lower)
-    train_upper = batched(lambda x: pipeline.upper_capsules(pipeline.lower_capsules(x)), train)
-    reconstruction = batched(pipeline.decode_upper, test_upper)
+    with _phase(f"capsules of {len(train)} training and {len(test)} test images, reconstructions"):
+        test_lower = batched(pipeline.lower_capsules, test)
+        test_upper = batched(pipeline.upper_capsules, test_lower)
+        train_upper = batched(lambda x: pipeline.upper_capsules(pipeline.lower_capsules(x)), train)
+        reconstruction = batched(pipeline.decode_upper, test_upper)
+        autoencoder_only = batched(pipeline.autoencoder, test)
     test_lengths = np.linalg.norm(test_upper, axis=-1)
+    with _phase("linear probes"):
+        probes = (metrics.linear_probe(train_upper, train_labels, test_upper, test_labels),
+                  metrics.linear_probe(np.linalg.norm(train_upper, axis=-1), train_labels,
+                                       test_lengths, test_labels))
     capsules = {
         "reconstruction_mse": metrics.mse(test, reconstruction),
-        "autoencoder_only_mse": metrics.mse(test, batched(pipeline.autoencoder, test)),
-        "probe_accuracy_vectors": metrics.linear_probe(
-            train_upper, train_labels, test_upper, test_labels),
-        "probe_accuracy_lengths": metrics.linear_probe(
-            np.linalg.norm(train_upper, axis=-1), train_labels, test_lengths, test_labels),
+        "autoencoder_only_mse": metrics.mse(test, autoencoder_only),
+        "probe_accuracy_vectors": probes[0],
+        "probe_accuracy_lengths": probes[1],
         "mean_p_on_test": float(np.mean(test_lengths)),
         "length_selectivity": metrics.class_selectivity(test_lengths, test_labels, classes),
         # Does the whole capsule code keep the class? The reference classifier on
@@ -79,7 +135,8 @@ def evaluate_run(run_dir, config=None):
     # the images grouped by their longest capsule, by true class and by the
     # class of that one-capsule decoding (the most any sampler of a capsule's
     # own "on" poses could show).
-    one_capsule = _predict(classifier, batched(pipeline.decode_upper, metrics.keep_longest(test_upper)))
+    with _phase("one-capsule decodings"):
+        one_capsule = _predict(classifier, batched(pipeline.decode_upper, metrics.keep_longest(test_upper)))
     capsules["one_capsule_reconstruction_class_accuracy"] = float(np.mean(one_capsule == test_labels))
     capsules["longest_capsule_clusters"] = metrics.longest_capsule_clusters(test_lengths, test_labels, classes)
     capsules["one_capsule_decoded_clusters"] = metrics.longest_capsule_clusters(
@@ -97,20 +154,8 @@ def evaluate_run(run_dir, config=None):
                                         "mean": float(share.mean())}
     capsules["training_images_longest"] = np.bincount(
         np.argmax(np.linalg.norm(train_upper, axis=-1), axis=1), minlength=pipeline.num_upper).tolist()
-    sampler = CapsuleSampler(pipeline, seed=config.seed)
-    for domain in (["full", "restricted"] if config.restricted else ["full"]):
-        restricted = domain == "restricted"
-        images = sampler.sample(config.rows, restricted=restricted)["images"]
-        capsules[f"samples_{domain}"] = _specialisation(classifier, images, classes)
-        # Not the paper's sampler: draws from each capsule's own pose moments,
-        # on all training images (N(0, M_j)) or where it is the longest.
-        for name, title in (("fitted", "N(0, M_j)"), ("fitted_longest", "N(0, M_j | j longest)")):
-            images = sampler.sample(config.rows, restricted=restricted, moments=moments[name])["images"]
-            capsules[f"samples_{name}_{domain}"] = _specialisation(classifier, images, classes)
-            figures.image_grid(images[:4], run.file(f"samples_{name}_{domain}.png"),
-                               title=f"One capsule drawn from {title}, {domain} domain "
-                                     "(not the paper's N(0, I)): one column per capsule",
-                               column_labels=range(images.shape[1]))
+    with _phase(f"samples, {config.rows} per capsule and sampler"):
+        capsules.update(_capsule_samples(pipeline, moments, classifier, classes, run, config))
     result["poecaps"] = capsules
     shown = np.linspace(0, len(test) - 1, 12).astype(int)  # spread over classes
     figures.image_grid(np.stack([test[shown], reconstruction[shown]]), run.file("reconstructions.png"),
@@ -119,20 +164,8 @@ def evaluate_run(run_dir, config=None):
 
     rbm_path = os.path.join(run.models, "rbm.npz")
     if os.path.exists(rbm_path):
-        rbm = load_layer(rbm_path)
-        flat = lambda x: x.reshape(len(x), -1)
-        hidden_train, hidden_test = batched(rbm.p_on, flat(train)), batched(rbm.p_on, flat(test))
-        rbm_images = RBMSampler(rbm, train.shape[1:], seed=config.seed).sample(config.rows)["images"]
-        figures.image_grid(rbm_images[:4], run.file("rbm_samples.png"),
-                           title="Bernoulli RBM: one column per hidden unit")
-        result["rbm"] = {
-            "hidden_units": rbm.num_hidden,
-            "reconstruction_mse": metrics.mse(
-                test, batched(rbm.reconstruct, flat(test)).reshape(test.shape)),
-            "probe_accuracy_hidden": metrics.linear_probe(
-                hidden_train, train_labels, hidden_test, test_labels),
-            "samples_full": _specialisation(classifier, rbm_images, classes),
-            "probability_selectivity": metrics.class_selectivity(hidden_test, test_labels, classes),
-        }
+        with _phase("Bernoulli RBM"):
+            result["rbm"] = _rbm_figures(load_layer(rbm_path), train, train_labels, test, test_labels,
+                                         classifier, classes, run, config)
     run.write_json("eval.json", result)
     return result

@@ -11,12 +11,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(script, *args):
+def _run(script, *args, stderr=False):
+    """The script's stdout (and its stderr with `stderr=True`); it must exit 0."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args],
                             check=False, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result.stdout
+    return (result.stdout, result.stderr) if stderr else result.stdout
 
 
 @pytest.mark.parametrize("script", ["train_layerwise.py", "sample.py", "evaluate.py", "baseline.py"])
@@ -114,8 +115,10 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     _run("sample.py", "--run-dir", run, "--rows", "2", "--fitted", "longest", "--restricted")
     assert os.path.exists(os.path.join(run, "samples_fitted_longest_restricted.png"))
 
-    out = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1")
-    result = json.loads(out[out.index("{"):])
+    out, err = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1", stderr=True)
+    result = json.loads(out)   # stdout is the JSON alone; the progress goes to stderr
+    for step in ("reference classifier", "linear probes", "one-capsule decodings", "Bernoulli RBM"):
+        assert f"[evaluate] {step}: " in err, err[-2000:]
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == result
     for key in ("reconstruction_mse", "probe_accuracy_vectors", "probe_accuracy_lengths",
