@@ -61,9 +61,9 @@ def batched(fn, array, batch_size=256):
                            for k in range(0, len(array), batch_size)])
 
 
-# owner -> {function: (the owner's attributes when traced, graph)}. Weak
-# throughout (`_Snapshot`), so a kept graph keeps neither its owner nor an old
-# attribute alive.
+# owner -> {function: (the owner's attributes when traced, graph)}. The owner
+# and every attribute that allows it are held weakly (`_Snapshot`), so a kept
+# graph keeps neither its owner nor an old layer or array alive.
 _GRAPHS = weakref.WeakKeyDictionary()
 
 
@@ -91,8 +91,8 @@ def traced(fn):
     A graph reads variables as they are when it runs, but takes every other
     object (a layer, a NumPy mean) as it was when traced. So a kept graph is
     traced again once any attribute of the method's owner has been rebound
-    since (`pipeline.decoder = other` retraces; arrays changed in place are
-    not seen). Functions that are not bound methods are traced anew each call.
+    since (`pipeline.decoder = other` retraces; arrays changed in place, or
+    the attributes of the owner's layers rebound, are not seen). Functions that are not bound methods are traced anew each call.
     Tracing the decoder path costs about 1.5 s, and `evaluate.py` decodes
     through it several times.
     """
