@@ -113,10 +113,10 @@ def evaluate_run(run_dir, config=None):
         train_upper = batched(lambda x: pipeline.upper_capsules(pipeline.lower_capsules(x)), train)
         reconstruction = batched(pipeline.decode_upper, test_upper)
         autoencoder_only = batched(pipeline.autoencoder, test)
-    test_lengths = np.linalg.norm(test_upper, axis=-1)
+    test_lengths, train_lengths = np.linalg.norm(test_upper, axis=-1), np.linalg.norm(train_upper, axis=-1)
     with _phase("linear probes"):
         probes = (metrics.linear_probe(train_upper, train_labels, test_upper, test_labels),
-                  metrics.linear_probe(np.linalg.norm(train_upper, axis=-1), train_labels,
+                  metrics.linear_probe(train_lengths, train_labels,
                                        test_lengths, test_labels))
     capsules = {
         "reconstruction_mse": metrics.mse(test, reconstruction),
@@ -153,7 +153,7 @@ def evaluate_run(run_dir, config=None):
     capsules["pose_principal_share"] = {"per_capsule": [float(v) for v in share],
                                         "mean": float(share.mean())}
     capsules["training_images_longest"] = np.bincount(
-        np.argmax(np.linalg.norm(train_upper, axis=-1), axis=1), minlength=pipeline.num_upper).tolist()
+        np.argmax(train_lengths, axis=1), minlength=pipeline.num_upper).tolist()
     with _phase(f"samples, {config.rows} per capsule and sampler"):
         capsules.update(_capsule_samples(pipeline, moments, classifier, classes, run, config))
     result["poecaps"] = capsules
