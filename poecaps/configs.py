@@ -44,6 +44,7 @@ class LayerwiseConfig(RunOptions):
     agreement: str = "cosine"         # "cosine" (Hauser) or "dot" (Sabour)
     center_code: bool = True          # subtract the mean code before forming capsules
     normalize: str = "parents"        # encoder coefficients: sum over parents (Sabour) or children (eq. 3)
+    init_stddev: float = 0.01         # standard deviation of the encoder's initial W (Algorithm 1's N(0, 0.01), read as a standard deviation)
     encoder_epochs: int = 3           # CD epochs of the capsule encoder (and of the RBM)
     decoder_epochs: int = 3           # CD epochs of the capsule decoder
     cd_learning_rate: float = 0.1     # SGD learning rate of the encoder
@@ -76,7 +77,7 @@ class LayerwiseConfig(RunOptions):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
         for name in ("ae_learning_rate", "cd_learning_rate", "decoder_learning_rate",
-                     "rbm_learning_rate"):
+                     "rbm_learning_rate", "init_stddev"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive. Received: {name}={getattr(self, name)}")
         if not 0.0 < self.sparsity_target < 1.0 or self.sparsity_cost < 0:

@@ -82,3 +82,33 @@ def test_mix_rejects_zero_steps(rng):
     x, w = _layer(rng, batch=1, num_in=2, num_out=2, d_in=2, d_out=2)
     with pytest.raises(ValueError, match="steps=0"):
         energy.mix(x, w, np.full((1, 2, 2), 0.5), steps=0)
+
+
+def test_children_normalisation_is_parents_with_weights_scaled_by_i_over_j(rng):
+    """Uniform coefficients are 1/J over parents and 1/I over children, and every
+    pass is linear in c W: so children with W' = (I/J) W is the parents' model
+    (same P(on), same mixing), and its CD update is J/I of the parents' (hence
+    the learning rate (I/J)^2 and L2 (J/I)^2 of the README's "routing axis").
+    With agreement updates the two routings part."""
+    num_in, num_out = 12, 3
+    x, w = _layer(rng, batch=5, num_in=num_in, num_out=num_out, d_in=3, d_out=4)
+    k = num_in / num_out
+
+    def model(iterations, normalize, kernel):
+        c = DynamicRouting(iterations, agreement="cosine", normalize=normalize).route_linear(x, kernel).coefficients
+        c = ops.convert_to_numpy(c).astype("float64")
+        return (ops.convert_to_numpy(energy.p_on(x, kernel, c)),
+                ops.convert_to_numpy(energy.mix(x, kernel, c)[0]),
+                ops.convert_to_numpy(energy.encoder_cd_gradient(x, kernel, c)))
+
+    p_par, mix_par, grad_par = model(0, "parents", w)
+    p_ch, mix_ch, grad_ch = model(0, "children", k * w)
+    assert 0.05 < p_par.mean() < 0.95  # neither all off nor saturated
+    np.testing.assert_allclose(p_ch, p_par, rtol=1e-6)
+    np.testing.assert_allclose(mix_ch, mix_par, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(grad_ch, grad_par / k, rtol=1e-6, atol=1e-12 * np.abs(grad_par).max())
+    # At the unscaled W, children start k^2 times shorter in |z|^2: nearly off.
+    assert model(0, "children", w)[0].mean() < 0.2 * p_par.mean()
+    p_par3, _, _ = model(3, "parents", w)
+    p_ch3, _, _ = model(3, "children", k * w)
+    assert np.abs(p_ch3 - p_par3).max() > 1e-3

@@ -71,10 +71,10 @@ def _fit(trainer, x, config, run, stage, epochs, resume, validation_data=None, v
                   validation_data=validation_data, verbose=verbose)
 
 
-def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, seed):
+def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, seed, init_stddev=0.01):
     routing = DynamicRouting(iterations, agreement=agreement, normalize=normalize)
     return CapsuleExperts(num_capsules, capsule_dim, routing=routing,
-                          kernel_initializer=keras.initializers.RandomNormal(stddev=0.01, seed=seed))
+                          kernel_initializer=keras.initializers.RandomNormal(stddev=init_stddev, seed=seed))
 
 
 def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, sparsity_cost=0.0):
@@ -123,7 +123,8 @@ def train_stage(stage, config, run, train, test, resume=False):
     if stage == "encoder":
         encoder = build_layer(_capsule_model(config.num_capsules, config.upper_dim,
                                              config.routing_iterations, config.agreement,
-                                             config.normalize, config.seed), lower.shape[1:])
+                                             config.normalize, config.seed, config.init_stddev),
+                              lower.shape[1:])
         trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate,
                               config.sparsity_cost)
         _fit(trainer, lower, config, run, stage, config.encoder_epochs, resume)
