@@ -249,3 +249,25 @@ def test_sparsity_arguments_are_checked(rng):
         CDTrainer(layer, sparsity_cost=-1.0)
     with pytest.raises(ValueError, match="clamped"):
         layer.cd_gradients(x, hidden=_capsules(rng, 2, 2, 3), sparsity=(0.1, 1.0))
+
+
+@pytest.mark.parametrize("normalize", ["parents", "children"])
+def test_decoder_starts_as_the_encoders_down_pass(rng, normalize):
+    """At uniform coefficients the initial decoder maps upper capsules to what
+    Algorithm 1's reconstruction `squash(sum_j c_ij W_ij^T x_j)` gives."""
+    from trainers.layerwise import decoder_kernel_from_encoder
+
+    num_in, d_in, num_out, d_out = 12, 3, 4, 5
+    stddev = 0.3 * (1 if normalize == "parents" else num_in / num_out)  # the same model either way
+    encoder = CapsuleExperts(num_out, d_out, routing=DynamicRouting(0, "cosine", normalize),
+                             kernel_initializer=keras.initializers.RandomNormal(stddev=stddev, seed=1))
+    encoder.build((None, num_in, d_in))
+    x = _capsules(rng, 3, num_in, d_in)
+    upper = ops.convert_to_numpy(encoder(x))
+    c = ops.convert_to_numpy(encoder.coefficients(x))
+    expected = ops.convert_to_numpy(squash(energy.reconstruct(upper, encoder.kernel, c)))
+    decoder = CapsuleExperts(num_in, d_in, routing=DynamicRouting(0, "cosine", "children"))
+    decoder.build((None, num_out, d_out))
+    decoder.kernel.assign(decoder_kernel_from_encoder(encoder.kernel, normalize))
+    np.testing.assert_allclose(ops.convert_to_numpy(decoder(upper)), expected, rtol=1e-5, atol=1e-6)
+    assert np.abs(expected).max() > 1e-2
