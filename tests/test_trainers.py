@@ -15,6 +15,7 @@ from trainers.autoencoder import AutoencoderTrainer
 from trainers.cd import (
     CDTrainer,
     FreeEnergyGap,
+    OffCapsulesWarning,
     cd_step,
     default_optimizer,
     sharded_cd_step,
@@ -271,3 +272,12 @@ def test_decoder_starts_as_the_encoders_down_pass(rng, normalize):
     decoder.kernel.assign(decoder_kernel_from_encoder(encoder.kernel, normalize))
     np.testing.assert_allclose(ops.convert_to_numpy(decoder(upper)), expected, rtol=1e-5, atol=1e-6)
     assert np.abs(expected).max() > 1e-2
+
+
+def test_off_capsules_warning_fires_only_for_capsules_all_but_off(capsys):
+    callback = OffCapsulesWarning(threshold=1e-3)
+    callback.on_epoch_end(2, {"p_on": 3.3e-7})
+    assert "warning: epoch 3: mean P(on) of the capsules is 3.3e-07" in capsys.readouterr().err
+    for logs in ({"p_on": 0.27}, {"loss": 1.0}, None):
+        callback.on_epoch_end(0, logs)
+    assert capsys.readouterr().err == ""

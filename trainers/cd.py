@@ -1,5 +1,7 @@
 """Contrastive-divergence trainer for any energy model (Hauser Algorithm 1)."""
 
+import sys
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -215,3 +217,25 @@ class FreeEnergyGap(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["free_energy_gap"] = self.gap()
+
+
+class OffCapsulesWarning(keras.callbacks.Callback):
+    """Warns on stderr when an epoch ends with the hidden units all but off: mean P(on) below `threshold`.
+
+    For capsule experts eq. 18's positive phase `2 c_ij z_j x_i^T / (1 + |z_j|^2)`
+    grows `z_j` in proportion to itself, so capsules this short stay off
+    (P(on) = |z_j|^2 / (1 + |z_j|^2)). The usual cause is children
+    normalisation at the default initial W (README, "Routing axis").
+    """
+
+    def __init__(self, threshold=1e-3):
+        super().__init__()
+        self.threshold = threshold
+
+    def on_epoch_end(self, epoch, logs=None):
+        p_on = (logs or {}).get("p_on")
+        if p_on is not None and p_on < self.threshold:
+            print(f"\nwarning: epoch {epoch + 1}: mean P(on) of the capsules is {p_on:.3g}; CD "
+                  "grows a capsule in proportion to its length, so they may never turn on. With "
+                  "normalize='children' scale the initial W by I/J, the learning rate by (I/J)^2 "
+                  "and L2 by (J/I)^2 (README, 'Routing axis').", file=sys.stderr, flush=True)

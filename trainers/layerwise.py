@@ -26,7 +26,7 @@ from poecaps.routing import DynamicRouting
 from poecaps.runs import CapsulePipeline, RunDir, batched, build_layer, load_layer, save_layer
 from poecaps.validation import check_images
 from trainers.autoencoder import AutoencoderTrainer
-from trainers.cd import CDTrainer, FreeEnergyGap, default_optimizer
+from trainers.cd import CDTrainer, FreeEnergyGap, OffCapsulesWarning, default_optimizer
 from trainers.shards import default_shards
 
 # Settings that fix the data or a component's shape: a resumed run must keep them.
@@ -57,8 +57,9 @@ class _MetricsLog(keras.callbacks.Callback):
                                  **{k: float(v) for k, v in (logs or {}).items()}})
 
 
-def _fit(trainer, x, config, run, stage, epochs, resume, validation_data=None, verbose="auto", y=None):
-    callbacks = []
+def _fit(trainer, x, config, run, stage, epochs, resume, validation_data=None, verbose="auto", y=None,
+         callbacks=()):
+    callbacks = list(callbacks)
     if isinstance(trainer, CDTrainer) and trainer.heldout is not None:
         callbacks.append(FreeEnergyGap(x[:len(trainer.heldout)], trainer.heldout))
     callbacks += [keras.callbacks.TensorBoard(os.path.join(run.logs, stage), write_graph=False),
@@ -142,7 +143,8 @@ def train_stage(stage, config, run, train, test, resume=False):
                               lower.shape[1:])
         trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate,
                               config.sparsity_cost)
-        _fit(trainer, lower, config, run, stage, config.encoder_epochs, resume)
+        _fit(trainer, lower, config, run, stage, config.encoder_epochs, resume,
+             callbacks=[OffCapsulesWarning()])
         save_layer(encoder, os.path.join(run.models, "encoder.npz"))
     elif stage == "decoder":
         upper = batched(pipeline.upper_capsules, lower)
