@@ -156,7 +156,9 @@ def train_stage(stage, config, run, train, test, resume=False):
                                              config.routing_iterations, config.agreement,
                                              "children", config.seed + 1), upper.shape[1:])
         if config.decoder_init == "encoder_transpose":
-            decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder.kernel, config.normalize))
+            # The trained encoder's own routing axis, whatever this call's --normalize says.
+            decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder.kernel,
+                                                              pipeline.encoder.routing.normalize))
         heldout_upper = batched(pipeline.upper_capsules, heldout_lower)
         inputs = upper
         if config.decoder_input == "longest":
