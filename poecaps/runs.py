@@ -92,7 +92,8 @@ def traced(fn):
     object (a layer, a NumPy mean) as it was when traced. So a kept graph is
     traced again once any attribute of the method's owner has been rebound
     since (`pipeline.decoder = other` retraces; arrays changed in place, or
-    the attributes of the owner's layers rebound, are not seen). Functions that are not bound methods are traced anew each call.
+    the attributes of the owner's layers rebound, are not seen). Functions
+    that are not bound methods are traced anew each call.
     Tracing the decoder path costs about 1.5 s, and `evaluate.py` decodes
     through it several times.
     """

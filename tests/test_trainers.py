@@ -269,7 +269,7 @@ def test_decoder_starts_as_the_encoders_down_pass(rng, normalize):
     expected = ops.convert_to_numpy(squash(energy.reconstruct(upper, encoder.kernel, c)))
     decoder = CapsuleExperts(num_in, d_in, routing=DynamicRouting(0, "cosine", "children"))
     decoder.build((None, num_out, d_out))
-    decoder.kernel.assign(decoder_kernel_from_encoder(encoder.kernel, normalize))
+    decoder.kernel.assign(decoder_kernel_from_encoder(encoder))
     np.testing.assert_allclose(ops.convert_to_numpy(decoder(upper)), expected, rtol=1e-5, atol=1e-6)
     assert np.abs(expected).max() > 1e-2
 

@@ -78,8 +78,8 @@ def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, 
                           kernel_initializer=keras.initializers.RandomNormal(stddev=init_stddev, seed=seed))
 
 
-def decoder_kernel_from_encoder(kernel, normalize):
-    """The decoder's `U [J, I, D_in, D_out]` that starts as the encoder's own down pass.
+def decoder_kernel_from_encoder(encoder):
+    """The decoder's `U [J, I, D_in, D_out]` that starts as `encoder`'s own down pass.
 
     Algorithm 1 reconstructs the lower capsules as `z~_i = sum_j c_ij W_ij^T x_j`;
     the decoder computes `sum_j e_ji U_ji x_j` with `e` summing to one over the
@@ -88,9 +88,9 @@ def decoder_kernel_from_encoder(kernel, normalize):
     transpose for parents, scaled by `J/I` for children (whose W are `I/J`
     times larger for the same model; tests/test_energy.py).
     """
-    num_in, num_out = kernel.shape[:2]
-    scale = 1.0 if normalize == "parents" else num_out / num_in
-    return scale * keras.ops.transpose(kernel, (1, 0, 3, 2))
+    num_in, num_out = encoder.kernel.shape[:2]
+    scale = encoder.routing.uniform_coefficient(num_in, num_out) * num_out
+    return scale * keras.ops.transpose(encoder.kernel, (1, 0, 3, 2))
 
 
 def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, sparsity_cost=0.0):
@@ -157,8 +157,7 @@ def train_stage(stage, config, run, train, test, resume=False):
                                              "children", config.seed + 1), upper.shape[1:])
         if config.decoder_init == "encoder_transpose":
             # The trained encoder's own routing axis, whatever this call's --normalize says.
-            decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder.kernel,
-                                                              pipeline.encoder.routing.normalize))
+            decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder))
         heldout_upper = batched(pipeline.upper_capsules, heldout_lower)
         inputs = upper
         if config.decoder_input == "longest":

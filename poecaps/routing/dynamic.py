@@ -117,6 +117,10 @@ class DynamicRouting(Routing):
         )
         return self._result(c, z)
 
+    def uniform_coefficient(self, num_in, num_out):
+        """The first round's coefficients, all equal: 1/J over parents or 1/I over children."""
+        return 1.0 / (num_out if self.normalize == "parents" else num_in)
+
     def route_linear_j(self, x, kernel, activations=None):
         """`route_linear` in the upper-capsule-major layout: `(cj [J, B, I], zj [J, B, D_out])`.
 
@@ -130,8 +134,7 @@ class DynamicRouting(Routing):
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[None]
         wr, wt = energy.kernel_views(kernel)
         num_in, num_out = kernel.shape[:2]
-        # The first round's coefficients are uniform: 1/J over parents or 1/I over children.
-        uniform = 1.0 / (num_out if self.normalize == "parents" else num_in)
+        uniform = self.uniform_coefficient(num_in, num_out)
         return self._loop(
             ops.zeros((num_out, ops.shape(x)[0], num_in), dtype=dtype),
             0 if self.normalize == "parents" else 2,
