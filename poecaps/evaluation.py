@@ -149,6 +149,14 @@ def evaluate_run(run_dir, config=None):
         if moments[name] is None:
             moments[name] = fit(train_upper)
             np.save(os.path.join(run.models, f"{file}.npy"), moments[name].astype("float32"))
+    # The same groups split by the side of each capsule's principal axis that
+    # the pose lies on (P(on) cannot tell the sides apart): by true class and
+    # by the class of the one-capsule decoding.
+    axes = metrics.principal_axes(moments["fitted_longest"], pipeline.mean_directions)
+    capsules["longest_capsule_side_clusters"] = metrics.longest_capsule_side_clusters(
+        test_upper, test_labels, classes, axes)
+    capsules["one_capsule_decoded_side_clusters"] = metrics.longest_capsule_side_clusters(
+        test_upper, one_capsule, classes, axes)
     share = metrics.principal_share(moments["fitted"])
     capsules["pose_principal_share"] = {"per_capsule": [float(v) for v in share],
                                         "mean": float(share.mean())}

@@ -188,6 +188,57 @@ def keep_longest(upper, k=1):
     return upper * mask[..., None]
 
 
+def principal_axes(moments, directions):
+    """Each capsule's principal direction, on the side of its mean direction, `[J, D]`.
+
+    The unit eigenvector `a_j` of the largest eigenvalue of `M_j`, signed so
+    that `a_j . m_j >= 0` for the mean training direction `m_j`, the vector
+    by which the restricted-domain sampler picks the half it draws in.
+    """
+    moments, directions = np.asarray(moments, "float64"), np.asarray(directions, "float64")
+    if moments.ndim != 3 or directions.shape != moments.shape[:2]:
+        raise ValueError(f"principal_axes needs moments [J, D, D] and directions [J, D]. "
+                         f"Received shapes {moments.shape} and {directions.shape}")
+    axes = np.linalg.eigh(moments)[1][..., -1]
+    return axes * np.where(np.sum(axes * directions, axis=-1, keepdims=True) < 0, -1.0, 1.0)
+
+
+def longest_capsule_side_clusters(upper, labels, classes, axes):
+    """Images grouped by their longest capsule and by the side of its axis it lies on.
+
+    The poses of a capsule lie along a line `+-a_j` on both sides of the
+    origin (centred code; `pose_principal_share`), and P(on) = |x_j| cannot
+    tell the sides apart, so one capsule may win one class on one side and
+    another class on the other. Each capsule j gives two clusters: the
+    images it wins with `x_j . a_j >= 0` (the "visited" side, the half the
+    restricted-domain sampler draws in when `a_j` comes from
+    `principal_axes`) and those with `x_j . a_j < 0`.
+
+    Args:
+        upper: `[N, J, D]` upper capsules.
+        labels: `[N]` integer classes.
+        classes: number of classes.
+        axes: `[J, D]` one axis per capsule.
+
+    Returns:
+        dict: `both_sides`, the 2J clusters in `longest_capsule_clusters`'
+        layout (cluster `2j` is capsule j's visited side, `2j + 1` the
+        other); `visited_side`, the same figures over the J visited-side
+        clusters alone; `visited_share`, the share of images on the
+        visited side of their longest capsule.
+    """
+    upper, labels, axes = np.asarray(upper), np.asarray(labels), np.asarray(axes)
+    if upper.ndim != 3 or len(upper) != len(labels) or len(labels) == 0 or axes.shape != upper.shape[1:]:
+        raise ValueError(f"longest_capsule_side_clusters needs upper [N, J, D], labels [N] (N > 0) and "
+                         f"axes [J, D]. Received shapes {upper.shape}, {labels.shape} and {axes.shape}")
+    rows = np.arange(len(upper))
+    winner = np.argmax(np.linalg.norm(upper, axis=-1), axis=1)
+    other_side = np.sum(upper[rows, winner] * axes[winner], axis=-1) < 0
+    both = _clusters(2 * winner + other_side, labels, classes, 2 * upper.shape[1])
+    visited = _clusters(winner[~other_side], labels[~other_side], classes, upper.shape[1])
+    return {"both_sides": both, "visited_side": visited, "visited_share": float(np.mean(~other_side))}
+
+
 def longest_capsule_clusters(lengths, labels, classes):
     """Images grouped by their longest capsule: does each capsule win one class?
 
@@ -212,15 +263,19 @@ def longest_capsule_clusters(lengths, labels, classes):
     if lengths.ndim != 2 or len(lengths) != len(labels) or len(labels) == 0:
         raise ValueError(f"longest_capsule_clusters needs lengths [N, J] and labels [N], N > 0. "
                          f"Received shapes {lengths.shape} and {labels.shape}")
-    winner = np.argmax(lengths, axis=1)
+    return _clusters(np.argmax(lengths, axis=1), labels, classes, lengths.shape[1])
+
+
+def _clusters(assignment, labels, classes, count):
+    """Majority class and purity of each of `count` clusters (`longest_capsule_clusters`' dict)."""
     size, majority, purity, agreeing = [], [], [], 0
-    for j in range(lengths.shape[1]):
-        counts = np.bincount(labels[winner == j], minlength=classes)
+    for j in range(count):
+        counts = np.bincount(labels[assignment == j], minlength=classes)
         size.append(int(counts.sum()))
         majority.append(int(np.argmax(counts)) if counts.sum() else None)
         purity.append(float(counts.max() / counts.sum()) if counts.sum() else None)
         agreeing += int(counts.max())
     return {"size": size, "majority": majority, "purity": purity,
-            "overall_purity": agreeing / len(labels),
-            "mean_purity": float(np.mean([p for p in purity if p is not None])),
+            "overall_purity": agreeing / max(len(labels), 1),
+            "mean_purity": float(np.mean(won)) if (won := [p for p in purity if p is not None]) else None,
             "classes_covered": len({m for m in majority if m is not None})}

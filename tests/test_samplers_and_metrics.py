@@ -197,6 +197,39 @@ def test_longest_capsule_clusters_hand_computed():
         metrics.longest_capsule_clusters(lengths, labels[:4], classes=3)
 
 
+def test_principal_axes_point_to_the_mean_direction_side():
+    moments = np.array([np.diag([4.0, 1.0]), np.diag([1.0, 9.0])])
+    directions = np.array([[-0.6, 0.8], [0.6, 0.8]])
+    np.testing.assert_allclose(metrics.principal_axes(moments, directions), [[-1.0, 0.0], [0.0, 1.0]],
+                               atol=1e-12)
+    with pytest.raises(ValueError, match="directions"):
+        metrics.principal_axes(moments, directions[:1])
+
+
+def test_longest_capsule_side_clusters_hand_computed():
+    # Two 2-D capsules, axes e1 and e2. Longest capsule and side of each image:
+    # 0: capsule 0, +   1: capsule 0, -   2: capsule 0, -   3: capsule 1, +
+    # 4: capsule 1, +   5: capsule 0, +
+    upper = np.array([[[0.9, 0.1], [0.1, 0.1]], [[-0.8, 0.0], [0.0, 0.3]], [[-0.7, 0.2], [0.1, 0.0]],
+                      [[0.1, 0.0], [0.2, 0.6]], [[0.0, 0.1], [-0.3, 0.5]], [[0.5, -0.5], [0.0, 0.1]]])
+    labels = np.array([2, 1, 1, 0, 0, 2])
+    result = metrics.longest_capsule_side_clusters(upper, labels, 3, axes=np.eye(2))
+    both = result["both_sides"]
+    assert both["size"] == [2, 2, 2, 0]
+    assert both["majority"] == [2, 1, 0, None]
+    assert both["purity"] == [1.0, 1.0, 1.0, None]
+    assert both["overall_purity"] == 1.0 and both["classes_covered"] == 3
+    visited = result["visited_side"]
+    assert visited["size"] == [2, 2] and visited["majority"] == [2, 0]
+    assert visited["overall_purity"] == 1.0 and visited["classes_covered"] == 2
+    np.testing.assert_allclose(result["visited_share"], 4 / 6)
+    # Unsigned, capsule 0's images mix classes 2, 1, 1, 2.
+    np.testing.assert_allclose(metrics.longest_capsule_clusters(
+        np.linalg.norm(upper, axis=-1), labels, 3)["purity"][0], 0.5)
+    with pytest.raises(ValueError, match="axes"):
+        metrics.longest_capsule_side_clusters(upper, labels, 3, axes=np.eye(3))
+
+
 def test_linear_probe_separates_separable_features(rng):
     labels = rng.integers(0, 3, size=300)
     features = np.eye(3)[labels] * 3 + rng.normal(size=(300, 3)) * 0.1

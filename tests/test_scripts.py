@@ -132,6 +132,12 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     assert sum(result["poecaps"]["longest_capsule_clusters"]["size"]) == result["test_images"]
     assert (result["poecaps"]["one_capsule_decoded_clusters"]["size"]
             == result["poecaps"]["longest_capsule_clusters"]["size"])
+    sides = result["poecaps"]["longest_capsule_side_clusters"]
+    assert [a + b for a, b in zip(sides["both_sides"]["size"][::2], sides["both_sides"]["size"][1::2])] \
+        == result["poecaps"]["longest_capsule_clusters"]["size"]
+    assert sides["visited_side"]["size"] == sides["both_sides"]["size"][::2]
+    assert (result["poecaps"]["one_capsule_decoded_side_clusters"]["both_sides"]["size"]
+            == sides["both_sides"]["size"])
     assert sum(result["poecaps"]["training_images_longest"]) == result["train_images"]
     share = result["poecaps"]["pose_principal_share"]
     assert len(share["per_capsule"]) == 4 and 0.25 - 1e-6 <= share["mean"] <= 1.0 + 1e-6
