@@ -45,6 +45,7 @@ class LayerwiseConfig(RunOptions):
     center_code: bool = True          # subtract the mean code before forming capsules
     normalize: str = "parents"        # encoder coefficients: sum over parents (Sabour) or children (eq. 3)
     init_stddev: float = 0.01         # standard deviation of the encoder's initial W (Algorithm 1's N(0, 0.01), read as a standard deviation)
+    pose_constraint: str = "none"     # "isometric": each encoder capsule's map keeps equal singular values (poecaps.constraints.IsometricPoses; not in the paper)
     encoder_epochs: int = 3           # CD epochs of the capsule encoder (and of the RBM)
     decoder_epochs: int = 3           # CD epochs of the capsule decoder
     cd_learning_rate: float = 0.1     # SGD learning rate of the encoder
@@ -92,6 +93,9 @@ class LayerwiseConfig(RunOptions):
         if self.decoder_input not in ("all", "longest"):
             raise InputError(f"decoder_input must be 'all' or 'longest'. "
                              f"Received: decoder_input={self.decoder_input!r}")
+        if self.pose_constraint not in ("none", "isometric"):
+            raise InputError(f"pose_constraint must be 'none' or 'isometric'. "
+                             f"Received: pose_constraint={self.pose_constraint!r}")
         if self.decoder_init not in ("encoder_transpose", "random"):
             raise InputError(f"decoder_init must be 'encoder_transpose' or 'random'. "
                              f"Received: decoder_init={self.decoder_init!r}")

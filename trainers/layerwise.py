@@ -17,6 +17,7 @@ import numpy as np
 from poecaps import data as data_lib
 from poecaps import distribute, figures, metrics
 from poecaps.configs import STAGES, LayerwiseConfig
+from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
@@ -72,10 +73,12 @@ def _fit(trainer, x, config, run, stage, epochs, resume, validation_data=None, v
                   validation_data=validation_data, verbose=verbose)
 
 
-def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, seed, init_stddev=0.01):
+def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, seed, init_stddev,
+                   pose_constraint="none"):
     routing = DynamicRouting(iterations, agreement=agreement, normalize=normalize)
     return CapsuleExperts(num_capsules, capsule_dim, routing=routing,
-                          kernel_initializer=keras.initializers.RandomNormal(stddev=init_stddev, seed=seed))
+                          kernel_initializer=keras.initializers.RandomNormal(stddev=init_stddev, seed=seed),
+                          kernel_constraint=IsometricPoses() if pose_constraint == "isometric" else None)
 
 
 def decoder_kernel_from_encoder(encoder):
@@ -139,7 +142,8 @@ def train_stage(stage, config, run, train, test, resume=False):
     if stage == "encoder":
         encoder = build_layer(_capsule_model(config.num_capsules, config.upper_dim,
                                              config.routing_iterations, config.agreement,
-                                             config.normalize, config.seed, config.init_stddev),
+                                             config.normalize, config.seed, config.init_stddev,
+                                             config.pose_constraint),
                               lower.shape[1:])
         trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate,
                               config.sparsity_cost)
@@ -154,7 +158,8 @@ def train_stage(stage, config, run, train, test, resume=False):
         # as the encoder's do ("children" of the decoder are the upper capsules).
         decoder = build_layer(_capsule_model(lower.shape[1], lower.shape[2],
                                              config.routing_iterations, config.agreement,
-                                             "children", config.seed + 1), upper.shape[1:])
+                                             "children", config.seed + 1, init_stddev=0.01),
+                              upper.shape[1:])   # N(0, 0.01); --init-stddev is the encoder's
         if config.decoder_init == "encoder_transpose":
             # The trained encoder's own routing axis, whatever this call's --normalize says.
             decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder))

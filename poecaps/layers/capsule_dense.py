@@ -63,6 +63,8 @@ class CapsuleDense(keras.layers.Layer):
         kernel_initializer: initializer of W; Hauser uses N(0, 0.01) (the
             default for vector poses; N(0, 0.5) for matrix poses).
         kernel_regularizer: optional regularizer of W.
+        kernel_constraint: optional constraint on W, applied after each
+            optimizer update (e.g. `poecaps.constraints.IsometricPoses`).
         pose: "vector" (`W_ij` is D_out x D_in) or "matrix" (4x4 pose
             matrices flattened to 16-D, `V_ij = M_i W_ij`, Hinton et al.).
 
@@ -81,7 +83,8 @@ class CapsuleDense(keras.layers.Layer):
     """
 
     def __init__(self, num_capsules, capsule_dim, routing="dynamic",
-                 kernel_initializer=None, kernel_regularizer=None, pose="vector", **kwargs):
+                 kernel_initializer=None, kernel_regularizer=None, pose="vector", kernel_constraint=None,
+                 **kwargs):
         super().__init__(**kwargs)
         for name, value in (("num_capsules", num_capsules), ("capsule_dim", capsule_dim)):
             if not isinstance(value, int) or value <= 0:
@@ -95,6 +98,7 @@ class CapsuleDense(keras.layers.Layer):
             kernel_initializer
             or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
 
     def build(self, input_shape):
         if len(input_shape) != 3:
@@ -105,7 +109,8 @@ class CapsuleDense(keras.layers.Layer):
         self.kernel = self.add_weight(
             name="kernel", shape=kernel_shape(num_in, self.num_capsules, self.capsule_dim, in_dim,
                                               self.pose),
-            initializer=self.kernel_initializer, regularizer=self.kernel_regularizer)
+            initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint)
         # The routing's own weights (EM's beta_u, beta_a) exist before any call.
         if not self.routing.built:
             self.routing.build((None, num_in, self.num_capsules, self.capsule_dim))
@@ -136,5 +141,6 @@ class CapsuleDense(keras.layers.Layer):
             kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
             kernel_regularizer=keras.regularizers.serialize(self.kernel_regularizer),
             pose=self.pose,
+            kernel_constraint=keras.constraints.serialize(self.kernel_constraint),
         )
         return config

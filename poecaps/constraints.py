@@ -1,0 +1,56 @@
+"""Constraints on capsule transformation matrices."""
+
+import keras
+from keras import ops
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class IsometricPoses(keras.constraints.Constraint):
+    """Gives each upper capsule's linear map all its singular values equal.
+
+    For `W [I, J, D_out, D_in]` the pose of upper capsule j at uniform
+    coefficients is `z_j = c sum_i W_ij x_i = c M_j x`, with
+    `M_j = [W_1j ... W_Ij]` of shape `[D_out, I * D_in]` and `x` all lower
+    capsules stacked. The constraint replaces it by
+
+        M_j <- a_j (M_j M_j^T)^(-1/2) M_j,    a_j^2 = trace(M_j M_j^T) / D_out,
+
+    the nearest map (the polar factor) whose `D_out` singular values all
+    equal their root mean square `a_j`; `||M_j||_F` is unchanged.
+
+    Why (not in Hauser 2019): `F(x)` (eq. 10) depends on `W_j` only through
+    `M_j^T M_j`, and eq. 18's Hebbian positive phase `z_j x^T` grows the
+    leading singular direction fastest, as in Oja's rule, so unconstrained
+    poses end up on one line through the origin (principal share 0.93 on
+    Fashion-MNIST) and one capsule carries one number, not 16. With equal
+    singular values, CD still chooses which `D_out`-dimensional subspace of
+    the lower code capsule j reads (its row space), but cannot let one
+    direction of it outgrow the others.
+
+    Applied by the optimizer after every update (Keras applies variable
+    constraints in `optimizer.apply`). Vector poses only.
+
+    Args:
+        epsilon: floor on the eigenvalues of `M_j M_j^T` before the inverse
+            square root.
+    """
+
+    def __init__(self, epsilon=1e-12):
+        if not epsilon > 0:
+            raise ValueError(f"epsilon must be > 0. Received: epsilon={epsilon!r}")
+        self.epsilon = epsilon
+
+    def __call__(self, kernel):
+        if len(kernel.shape) != 4:
+            raise ValueError("IsometricPoses needs a kernel [I, J, D_out, D_in]. "
+                             f"Received shape {tuple(kernel.shape)}")
+        kernel = ops.convert_to_tensor(kernel)
+        gram = ops.einsum("ijod,ijpd->jop", kernel, kernel)                   # M_j M_j^T
+        eigenvalues, vectors = ops.eigh(gram)
+        scale = ops.sqrt(ops.trace(gram, axis1=1, axis2=2) / kernel.shape[2])  # a_j
+        weights = scale[:, None] / ops.sqrt(ops.maximum(eigenvalues, self.epsilon))
+        polar = ops.einsum("jop,jp,jqp->joq", vectors, weights, vectors)       # a_j (M_j M_j^T)^(-1/2)
+        return ops.einsum("joq,ijqd->ijod", polar, kernel)
+
+    def get_config(self):
+        return {"epsilon": self.epsilon}

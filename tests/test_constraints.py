@@ -1,0 +1,59 @@
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps.constraints import IsometricPoses
+from poecaps.experts import CapsuleExperts
+from poecaps.layers import CapsuleDense
+from trainers.cd import CDTrainer, default_optimizer
+
+
+def _maps(kernel):
+    """Each upper capsule's map `M_j [D_out, I * D_in]` from `W [I, J, D_out, D_in]`."""
+    kernel = np.asarray(kernel, "float64")
+    return np.transpose(kernel, (1, 2, 0, 3)).reshape(kernel.shape[1], kernel.shape[2], -1)
+
+
+def test_isometric_poses_is_the_polar_factor_at_the_rms_singular_value(rng):
+    kernel = rng.normal(size=(7, 3, 4, 2)) * np.array([3.0, 1.0, 0.2, 0.05])[:, None]  # unequal rows
+    constrained = ops.convert_to_numpy(IsometricPoses()(kernel.astype("float32")))
+    for before, after in zip(_maps(kernel), _maps(constrained)):
+        u, s, vt = np.linalg.svd(before, full_matrices=False)        # independent of the layer's eigh
+        np.testing.assert_allclose(after, np.sqrt(np.mean(s ** 2)) * u @ vt, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.linalg.svd(after, compute_uv=False), np.sqrt(np.mean(s ** 2)),
+                                   rtol=1e-4)
+        np.testing.assert_allclose(np.linalg.norm(after), np.linalg.norm(before), rtol=1e-5)
+    # A map with equal singular values is left as it is.
+    np.testing.assert_allclose(ops.convert_to_numpy(IsometricPoses()(constrained)), constrained,
+                               rtol=1e-4, atol=2e-5)
+
+
+def test_isometric_poses_arguments_are_checked():
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
+        IsometricPoses(epsilon=0.0)
+    with pytest.raises(ValueError, match=r"kernel \[I, J, D_out, D_in\]"):
+        IsometricPoses()(np.ones((3, 4), "float32"))
+
+
+def test_cd_training_keeps_each_capsules_singular_values_equal(rng):
+    x = (rng.normal(size=(48, 6, 3)) * np.array([2.0, 0.5, 0.1])).astype("float32")
+    layers = {}
+    for constraint in (None, IsometricPoses()):
+        layer = CapsuleExperts(3, 4, kernel_constraint=constraint,
+                               kernel_initializer=keras.initializers.RandomNormal(stddev=0.5, seed=0))
+        layer.build(x.shape)
+        trainer = CDTrainer(layer, l2=0.0)
+        trainer.compile(optimizer=default_optimizer(0.5, 10))
+        trainer.fit(x, epochs=2, batch_size=16, verbose=0)
+        layers[constraint is None] = _maps(ops.convert_to_numpy(layer.kernel))
+    spread = lambda maps: [np.ptp(s) / s.max() for s in np.linalg.svd(maps, compute_uv=False)]
+    assert max(spread(layers[False])) < 1e-4
+    assert min(spread(layers[True])) > 1e-2    # without it CD makes them unequal
+
+
+def test_capsule_dense_serialises_its_constraint():
+    layer = CapsuleDense(3, 4, kernel_constraint=IsometricPoses(epsilon=1e-9))
+    clone = CapsuleDense.from_config(layer.get_config())
+    assert isinstance(clone.kernel_constraint, IsometricPoses)
+    assert clone.kernel_constraint.epsilon == 1e-9
