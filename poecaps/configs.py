@@ -53,6 +53,7 @@ class LayerwiseConfig(RunOptions):
     decay_rate: float = 0.9           # learning rate multiplied by this every epoch
     momentum: float = 0.9             # SGD momentum of the CD stages
     l2: float = 1e-4                  # L2 weight decay of the CD stages
+    decoder_l2: float | None = None   # L2 weight decay of the decoder stage alone (default: --l2)
     cd_steps: int = 1                 # k of CD-k
     persistent: bool = False          # persistent chains (PCD) instead of CD-k from the data
     decoder_init: str = "encoder_transpose"   # or "random"
@@ -93,6 +94,9 @@ class LayerwiseConfig(RunOptions):
         if self.decoder_input not in ("all", "longest"):
             raise InputError(f"decoder_input must be 'all' or 'longest'. "
                              f"Received: decoder_input={self.decoder_input!r}")
+        for name in ("l2", "decoder_l2"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise InputError(f"{name} must be >= 0. Received: {name}={getattr(self, name)}")
         if self.pose_constraint not in ("none", "isometric"):
             raise InputError(f"pose_constraint must be 'none' or 'isometric'. "
                              f"Received: pose_constraint={self.pose_constraint!r}")

@@ -6,6 +6,7 @@ from keras import ops
 
 from poecaps import energy
 from poecaps.capsules import squash, unsquash
+from poecaps.configs import LayerwiseConfig
 from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
@@ -20,6 +21,7 @@ from trainers.cd import (
     default_optimizer,
     sharded_cd_step,
 )
+from trainers.layerwise import stage_l2
 from trainers.shards import shard_bounds
 
 
@@ -281,3 +283,9 @@ def test_off_capsules_warning_fires_only_for_capsules_all_but_off(capsys):
     for logs in ({"p_on": 0.27}, {"loss": 1.0}, None):
         callback.on_epoch_end(0, logs)
     assert capsys.readouterr().err == ""
+
+
+def test_decoder_l2_applies_to_the_decoder_stage_alone():
+    config = LayerwiseConfig(l2=1e-3, decoder_l2=0.0)
+    assert [stage_l2(config, stage) for stage in ("encoder", "decoder", "rbm")] == [1e-3, 0.0, 1e-3]
+    assert stage_l2(LayerwiseConfig(l2=1e-3), "decoder") == 1e-3

@@ -96,13 +96,20 @@ def decoder_kernel_from_encoder(encoder):
     return scale * keras.ops.transpose(encoder.kernel, (1, 0, 3, 2))
 
 
-def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, sparsity_cost=0.0):
+def stage_l2(config, stage):
+    """L2 weight decay of a CD stage: `decoder_l2` for the decoder when set, else `l2`."""
+    if stage == "decoder" and config.decoder_l2 is not None:
+        return config.decoder_l2
+    return config.l2
+
+
+def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, l2, sparsity_cost=0.0):
     shards = 1
     if config.jit_cd:
         shards = default_shards() if config.cd_shards is None else config.cd_shards
     trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
                         chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
-                        l2=config.l2, heldout=heldout, seed=config.seed,
+                        l2=l2, heldout=heldout, seed=config.seed,
                         sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost, shards=shards)
     trainer.compile(optimizer=default_optimizer(learning_rate, steps_per_epoch, config.decay_rate,
                                                 config.momentum),
@@ -146,6 +153,7 @@ def train_stage(stage, config, run, train, test, resume=False):
                                              config.pose_constraint),
                               lower.shape[1:])
         trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate,
+                              stage_l2(config, stage),
                               config.sparsity_cost)
         _fit(trainer, lower, config, run, stage, config.encoder_epochs, resume,
              callbacks=[OffCapsulesWarning()])
@@ -170,7 +178,8 @@ def train_stage(stage, config, run, train, test, resume=False):
             # decoder learns what one capsule alone stands for, as a Figure 2
             # sample asks of it; the targets stay the whole image's capsules.
             inputs, heldout_upper = metrics.keep_longest(upper), metrics.keep_longest(heldout_upper)
-        trainer = _cd_trainer(decoder, config, steps, heldout_upper, config.decoder_learning_rate)
+        trainer = _cd_trainer(decoder, config, steps, heldout_upper, config.decoder_learning_rate,
+                              stage_l2(config, stage))
         targets = lower if config.decoder_rule == "clamped" else None
         _fit(trainer, inputs, config, run, stage, config.decoder_epochs, resume, y=targets)
         save_layer(decoder, os.path.join(run.models, "decoder.npz"))
@@ -188,7 +197,7 @@ def train_rbm(config, run, train, test, resume=False):
     flat = train.reshape(len(train), -1)
     heldout = test[:config.heldout_size].reshape(-1, flat.shape[1])
     rbm = build_layer(BernoulliRBM(config.rbm_hidden, seed=config.seed), flat.shape[1:])
-    trainer = CDTrainer(rbm, steps=config.cd_steps, l2=config.l2, heldout=heldout, seed=config.seed)
+    trainer = CDTrainer(rbm, steps=config.cd_steps, l2=stage_l2(config, "rbm"), heldout=heldout, seed=config.seed)
     trainer.compile(optimizer=default_optimizer(config.rbm_learning_rate,
                                                 int(np.ceil(len(flat) / config.batch_size)),
                                                 config.decay_rate, config.momentum))
