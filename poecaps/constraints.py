@@ -28,7 +28,8 @@ class IsometricPoses(keras.constraints.Constraint):
     direction of it outgrow the others.
 
     Applied by the optimizer after every update (Keras applies variable
-    constraints in `optimizer.apply`). Vector poses only.
+    constraints in `optimizer.apply`). Vector poses only (`CapsuleDense`
+    refuses it with `pose="matrix"`).
 
     Args:
         epsilon: floor on the eigenvalues of `M_j M_j^T` before the inverse

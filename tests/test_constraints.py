@@ -57,3 +57,8 @@ def test_capsule_dense_serialises_its_constraint():
     clone = CapsuleDense.from_config(layer.get_config())
     assert isinstance(clone.kernel_constraint, IsometricPoses)
     assert clone.kernel_constraint.epsilon == 1e-9
+
+
+def test_capsule_dense_refuses_isometric_poses_for_matrix_poses():
+    with pytest.raises(ValueError, match="pose='matrix'"):
+        CapsuleDense(3, 16, pose="matrix", kernel_constraint=IsometricPoses())

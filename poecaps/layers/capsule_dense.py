@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import routing as routing_lib
+from poecaps.constraints import IsometricPoses
 
 POSES = ("vector", "matrix")
 
@@ -99,6 +100,9 @@ class CapsuleDense(keras.layers.Layer):
             or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        if pose == "matrix" and isinstance(self.kernel_constraint, IsometricPoses):
+            raise ValueError("IsometricPoses constrains vector-pose maps [I, J, D_out, D_in]. "
+                             "Received: pose='matrix'")
 
     def build(self, input_shape):
         if len(input_shape) != 3:
