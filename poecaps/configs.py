@@ -177,7 +177,7 @@ class EvaluationConfig:
     seed: int = 0                  # seeds the reference classifier and the samples
     rows: int = 20                 # samples per capsule for specialisation
     classifier_epochs: int = 3     # reference classifier epochs (trained once per run)
-    restricted: bool = True        # also report the restricted domain
+    restricted: bool = True        # also report the restricted domain, both halves (mean direction, winning side)
 
 
 @dataclasses.dataclass(frozen=True)

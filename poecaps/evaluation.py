@@ -55,17 +55,23 @@ def _capsule_samples(pipeline, moments, classifier, classes, run, config):
     """Specialisation of the Figure 2 grid and of the fitted draws; writes their figures."""
     found = {}
     sampler = CapsuleSampler(pipeline, seed=config.seed)
-    for domain in (["full", "restricted"] if config.restricted else ["full"]):
-        restricted = domain == "restricted"
-        images = sampler.sample(config.rows, restricted=restricted)["images"]
+    # The restricted domain's half: the design's (mean training direction) and,
+    # for poses on a line through the origin, the side each capsule's winning
+    # poses visit (`metrics.winning_side_axes`).
+    domains = {"full": (False, "mean")}
+    if config.restricted:
+        domains.update(restricted=(True, "mean"), winning_side=(True, "winning"))
+    for domain, (restricted, half) in domains.items():
+        images = sampler.sample(config.rows, restricted=restricted, half=half)["images"]
         found[f"samples_{domain}"] = _specialisation(classifier, images, classes)
         # Not the paper's sampler: draws from each capsule's own pose moments,
         # on all training images (N(0, M_j)) or where it is the longest.
         for name, title in (("fitted", "N(0, M_j)"), ("fitted_longest", "N(0, M_j | j longest)")):
-            images = sampler.sample(config.rows, restricted=restricted, moments=moments[name])["images"]
+            images = sampler.sample(config.rows, restricted=restricted, moments=moments[name],
+                                    half=half)["images"]
             found[f"samples_{name}_{domain}"] = _specialisation(classifier, images, classes)
             figures.image_grid(images[:4], run.file(f"samples_{name}_{domain}.png"),
-                               title=f"One capsule drawn from {title}, {domain} domain "
+                               title=f"One capsule drawn from {title}, {domain.replace('_', ' ')} domain "
                                      "(not the paper's N(0, I)): one column per capsule",
                                column_labels=range(images.shape[1]))
     return found
@@ -149,6 +155,9 @@ def evaluate_run(run_dir, config=None):
         if moments[name] is None:
             moments[name] = fit(train_upper)
             np.save(os.path.join(run.models, f"{file}.npy"), moments[name].astype("float32"))
+    if pipeline.winning_axes is None:
+        pipeline.winning_axes = metrics.winning_side_axes(train_upper, moments["fitted_longest"])
+        np.save(os.path.join(run.models, "winning_axes.npy"), pipeline.winning_axes.astype("float32"))
     # The same groups split by the side of each capsule's principal axis that
     # the pose lies on (P(on) cannot tell the sides apart): by true class and
     # by the class of the one-capsule decoding.

@@ -114,7 +114,7 @@ def traced(fn):
 
 
 # Arrays a run keeps next to the layers, saved as `<name>.npy` under `models/`.
-ARRAYS = ("mean_directions", "code_mean", "pose_moments", "longest_pose_moments")
+ARRAYS = ("mean_directions", "code_mean", "pose_moments", "longest_pose_moments", "winning_axes")
 
 
 class CapsulePipeline:
@@ -135,10 +135,15 @@ class CapsulePipeline:
         longest_pose_moments: `[J, D, D]` the same on the training images
             where the capsule is the longest
             (`poecaps.metrics.longest_pose_second_moments`), or None.
+        winning_axes: `[J, D]` each upper capsule's principal axis signed
+            toward the side its winning training poses visit
+            (`poecaps.metrics.winning_side_axes`; the sampler's `half="winning"`),
+            or None.
     """
 
     def __init__(self, autoencoder, encoder=None, decoder=None, capsule_dim=8,
-                 mean_directions=None, code_mean=None, pose_moments=None, longest_pose_moments=None):
+                 mean_directions=None, code_mean=None, pose_moments=None, longest_pose_moments=None,
+                 winning_axes=None):
         self.autoencoder = autoencoder
         self.encoder = encoder
         self.decoder = decoder
@@ -147,6 +152,7 @@ class CapsulePipeline:
         self.code_mean = code_mean
         self.pose_moments = pose_moments
         self.longest_pose_moments = longest_pose_moments
+        self.winning_axes = winning_axes
 
     @property
     def num_upper(self):

@@ -6,6 +6,9 @@ from keras import ops
 from poecaps.capsules import squash
 from poecaps.runs import batched
 
+# How the restricted domain picks each capsule's half: the pipeline array it reads.
+HALVES = {"mean": "mean_directions", "winning": "winning_axes"}
+
 
 class CapsuleSampler:
     """Draws the Figure 2 grid: one column per upper capsule, `rows` draws each.
@@ -14,8 +17,13 @@ class CapsuleSampler:
     `squash(y)`; route down with the capsule decoder U to the lower
     capsules; unsquash, reshape to the conv code and decode to an image
     (`CapsulePipeline.decode_upper`). With `restricted=True` each draw is
-    flipped into the half of the sphere that training data visited,
-    `y . m_j >= 0` for the mean training direction `m_j`.
+    flipped into the half of the sphere that training data visited:
+    `y . m_j >= 0` for the mean training direction `m_j` (`half="mean"`, the
+    design's reading), or `y . a_j >= 0` for the capsule's principal axis
+    signed toward the side most of its winning training poses lie on
+    (`half="winning"`, `poecaps.metrics.winning_side_axes`; for poses on a
+    line through the origin, on both sides, `m_j` picks a half close to a
+    coin toss).
 
     With `moments` (each capsule's pose second moment `M_j = E[z_j z_j^T]`
     on training data, `poecaps.metrics.pose_second_moments`) the draws are
@@ -39,19 +47,21 @@ class CapsuleSampler:
         self.pipeline = pipeline
         self.seed = seed
 
-    def sample(self, rows=4, restricted=False, moments=None, batch_size=64):
+    def sample(self, rows=4, restricted=False, moments=None, half="mean", batch_size=64):
         if rows < 1:
             raise ValueError(f"rows must be >= 1. Received: rows={rows}")
+        if half not in HALVES:
+            raise ValueError(f"half must be one of {sorted(HALVES)}. Received: half={half!r}")
         num_caps, dim = self.pipeline.num_upper, self.pipeline.upper_dim
         draws = np.random.default_rng(self.seed).standard_normal((rows, num_caps, dim))
         if moments is not None:
             draws = np.einsum("rjd,jed->rje", draws, _square_roots(moments, num_caps, dim))
         draws = draws.astype("float32")
         if restricted:
-            directions = self.pipeline.mean_directions
+            directions = getattr(self.pipeline, HALVES[half])
             if directions is None:
-                raise ValueError("Restricted sampling needs the training mean directions; "
-                                 "train the decoder stage first.")
+                raise ValueError(f"Restricted sampling with half={half!r} needs models/{HALVES[half]}.npy; "
+                                 "train the decoder stage again or run scripts/evaluate.py, which stores it.")
             sign = np.where(np.sum(draws * directions[None], axis=-1, keepdims=True) < 0, -1.0, 1.0)
             draws = draws * sign.astype("float32")
         upper = np.zeros((rows, num_caps, num_caps, dim), dtype="float32")

@@ -16,8 +16,10 @@ def main(argv=None):
     p = cli.parser(__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rows", type=int, default=4, help="draws per capsule")
-    p.add_argument("--restricted", action="store_true",
-                   help="draw from the half-sphere that training data visited")
+    p.add_argument("--restricted", nargs="?", const="mean", choices=["mean", "winning"],
+                   help="draw from the half-sphere that training data visited: the side of each "
+                        "capsule's mean training direction ('mean', the default), or the side of its "
+                        "principal axis that most of its winning training poses lie on ('winning')")
     p.add_argument("--fitted", nargs="?", const="all", choices=["all", "longest"],
                    help="draw each capsule from N(0, M_j), the second moment of its own training poses "
                         "('all', the default), or of its poses on the training images where it is the "
@@ -31,6 +33,7 @@ def main(argv=None):
     from poecaps import figures
     from poecaps.runs import CapsulePipeline, RunDir
     from samplers import CapsuleSampler
+    from samplers.capsule import HALVES
 
     run = RunDir(args.run_dir)
     pipeline = CapsulePipeline.load(run.models, run.read_json("config.json", {}).get("capsule_dim", 8))
@@ -43,11 +46,14 @@ def main(argv=None):
         if moments is None:
             sys.exit(f"{args.run_dir} has no pose moments (models/{name}.npy); train the decoder "
                      "stage again or run scripts/evaluate.py, which stores them.")
+    if args.restricted and getattr(pipeline, HALVES[args.restricted]) is None:
+        sys.exit(f"{args.run_dir} has no models/{HALVES[args.restricted]}.npy; train the decoder stage "
+                 "again or run scripts/evaluate.py, which stores it.")
     result = CapsuleSampler(pipeline, seed=args.seed).sample(
-        args.rows, restricted=args.restricted, moments=moments)
+        args.rows, restricted=bool(args.restricted), moments=moments, half=args.restricted or "mean")
     np.savez(run.file("samples.npz"), images=result["images"], draws=result["draws"])
     fitted = {None: "", "all": "fitted_", "longest": "fitted_longest_"}[args.fitted]
-    domain = fitted + ("restricted" if args.restricted else "full")
+    domain = fitted + {None: "full", "mean": "restricted", "winning": "winning_side"}[args.restricted]
     for name in ("samples.png", f"samples_{domain}.png"):
         figures.image_grid(result["images"], run.file(name),
                            title=f"Samples from capsule space ({domain} domain): one column per capsule",

@@ -206,6 +206,56 @@ def test_principal_axes_point_to_the_mean_direction_side():
         metrics.principal_axes(moments, directions[:1])
 
 
+def _side_capsules():
+    """Three 2-D capsules on ten images (hand-made; see the test below)."""
+    d = np.array([1.0, 1.0]) / np.sqrt(2.0)
+    upper = np.zeros((10, 3, 2))
+    # Images 0-3: capsule 0 wins, three poses on -e1 and one on +e1.
+    upper[0:3, 0] = [-0.8, 0.0]
+    upper[3, 0] = [0.8, 0.0]
+    # Images 4-9: capsule 1 wins along the diagonal d, four on +d, two on -d;
+    # capsule 0 is short there but on +e1, so its mean direction is +e1.
+    upper[4:8, 1], upper[8:10, 1] = 0.9 * d, -0.9 * d
+    upper[4:10, 0] = [0.2, 0.0]
+    upper[0:4, 1] = 0.05 * d
+    # Capsule 2 wins nothing; its poses lie on e2, seven of ten on the - side.
+    upper[:, 2] = [0.0, -0.01]
+    upper[7:, 2] = [0.0, 0.01]
+    return upper, d
+
+
+def test_winning_side_axes_hand_computed():
+    upper, d = _side_capsules()
+    axes = metrics.winning_side_axes(upper)
+    # Capsule 0: the axis e1, signed to the side of 3 of its 4 winning poses,
+    # against its mean training direction (+e1 on 7 of 10 images).
+    np.testing.assert_allclose(axes, [[-1.0, 0.0], d, [0.0, -1.0]], atol=1e-12)
+    unit = upper / np.linalg.norm(upper, axis=-1, keepdims=True)
+    assert unit[:, 0].mean(axis=0) @ axes[0] < 0
+    # Given moments are used as given: capsule 0's axis from a moment along e2.
+    moments = np.stack([np.diag([1.0, 4.0]), np.outer(d, d), np.eye(2) + np.diag([0.0, 1.0])])
+    np.testing.assert_allclose(metrics.winning_side_axes(upper, moments)[0], [0.0, 1.0], atol=1e-12)
+    with pytest.raises(ValueError, match="moments"):
+        metrics.winning_side_axes(upper, moments[:2])
+    with pytest.raises(ValueError, match="upper capsules"):
+        metrics.winning_side_axes(upper[:, 0])
+
+
+def test_restricted_domain_on_the_winning_side(pipeline, rng):
+    pipeline.winning_axes = rng.normal(size=(3, 4)).astype("float32")
+    sampler = samplers.CapsuleSampler(pipeline, seed=5)
+    winning = sampler.sample(rows=200, restricted=True, half="winning")["draws"]
+    assert np.all(np.sum(winning * pipeline.winning_axes[None], axis=-1) >= 0)
+    mean = sampler.sample(rows=200, restricted=True)["draws"]
+    np.testing.assert_allclose(np.abs(winning), np.abs(mean))       # only signs differ
+    assert np.any(winning != mean)
+    with pytest.raises(ValueError, match="half"):
+        sampler.sample(rows=2, restricted=True, half="median")
+    pipeline.winning_axes = None
+    with pytest.raises(ValueError, match="winning_axes"):
+        sampler.sample(rows=2, restricted=True, half="winning")
+
+
 def test_longest_capsule_side_clusters_hand_computed():
     # Two 2-D capsules, axes e1 and e2. Longest capsule and side of each image:
     # 0: capsule 0, +   1: capsule 0, -   2: capsule 0, -   3: capsule 1, +

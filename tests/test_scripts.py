@@ -91,7 +91,8 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     for name in ("config.json", "metrics.jsonl", "filters.png", "training_curves.png",
                  "models/autoencoder.npz", "models/encoder.npz", "models/decoder.npz",
                  "models/rbm.npz", "models/code_mean.npy", "models/mean_directions.npy",
-                 "models/pose_moments.npy", "models/longest_pose_moments.npy"):
+                 "models/pose_moments.npy", "models/longest_pose_moments.npy",
+                 "models/winning_axes.npy"):
         assert os.path.exists(os.path.join(run, name)), name
     resumed = _run("train_layerwise.py", *common, "--resume", "--encoder-epochs", "2")
     assert resumed.count("already trained") == 4
@@ -114,6 +115,8 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     assert os.path.exists(os.path.join(run, "samples_fitted_full.png"))
     _run("sample.py", "--run-dir", run, "--rows", "2", "--fitted", "longest", "--restricted")
     assert os.path.exists(os.path.join(run, "samples_fitted_longest_restricted.png"))
+    _run("sample.py", "--run-dir", run, "--rows", "2", "--restricted", "winning")
+    assert os.path.exists(os.path.join(run, "samples_winning_side.png"))
 
     out, err = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1", stderr=True)
     result = json.loads(out)   # stdout is the JSON alone; the progress goes to stderr
@@ -124,7 +127,8 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     for key in ("reconstruction_mse", "probe_accuracy_vectors", "probe_accuracy_lengths",
                 "samples_full", "samples_restricted", "samples_fitted_full", "samples_fitted_restricted",
                 "samples_fitted_longest_full", "samples_fitted_longest_restricted",
-                "one_capsule_reconstruction_class_accuracy", "longest_capsule_clusters",
+                "samples_winning_side", "samples_fitted_winning_side",
+                "samples_fitted_longest_winning_side", "one_capsule_reconstruction_class_accuracy", "longest_capsule_clusters",
                 "one_capsule_decoded_clusters"):
         assert key in result["poecaps"]
     assert 0.0 <= result["poecaps"]["samples_full"]["mean_purity"] <= 1.0

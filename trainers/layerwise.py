@@ -186,8 +186,10 @@ def train_stage(stage, config, run, train, test, resume=False):
         np.save(os.path.join(run.models, "mean_directions.npy"), directions.astype("float32"))
         np.save(os.path.join(run.models, "pose_moments.npy"),
                 metrics.pose_second_moments(upper).astype("float32"))
-        np.save(os.path.join(run.models, "longest_pose_moments.npy"),
-                metrics.longest_pose_second_moments(upper)[0].astype("float32"))
+        longest_moments = metrics.longest_pose_second_moments(upper)[0]
+        np.save(os.path.join(run.models, "longest_pose_moments.npy"), longest_moments.astype("float32"))
+        np.save(os.path.join(run.models, "winning_axes.npy"),
+                metrics.winning_side_axes(upper, longest_moments).astype("float32"))
     else:
         raise InputError(f"Unknown stage; expected one of {STAGES}. Received: stage={stage!r}")
 
