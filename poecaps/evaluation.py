@@ -95,6 +95,24 @@ def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classe
     }
 
 
+def _kmeans_reference(train, test, test_labels, classifier, classes, k, seed):
+    """What k pixel prototypes reach on the same figures as the J capsules.
+
+    `clusters`: the test images grouped by their nearest centroid, as
+    `longest_capsule_clusters` groups them by their longest capsule.
+    `centroids`: each centroid, shown to the reference classifier as an
+    image, as a capsule's sample is; `classes_covered` counts the distinct
+    classes it names (the best a sampler that always drew the cluster mean
+    could reach).
+    """
+    flat = lambda x: x.reshape(len(x), -1)
+    centroids, _ = metrics.kmeans(flat(train), k, seed=seed)
+    named = _predict(classifier, centroids.reshape(k, *train.shape[1:]).astype("float32"))
+    return {"clusters": metrics.cluster_purity(metrics.nearest_centroid(flat(test), centroids),
+                                               test_labels, classes, k),
+            "centroids": {"named": [int(c) for c in named], "classes_covered": len(set(named.tolist()))}}
+
+
 def evaluate_run(run_dir, config=None):
     """Compute and write `run_dir/eval.json`; returns the dict (`config`: an `EvaluationConfig`)."""
     config = config or EvaluationConfig()
@@ -178,6 +196,10 @@ def evaluate_run(run_dir, config=None):
     figures.image_grid(np.stack([test[shown], reconstruction[shown]]), run.file("reconstructions.png"),
                        title="test images (top) and their reconstructions through the capsule path",
                        row_labels=["data", "capsules"])
+
+    with _phase(f"pixel k-means reference ({pipeline.num_upper} clusters)"):
+        result["pixel_kmeans"] = _kmeans_reference(train, test, test_labels, classifier, classes,
+                                                   pipeline.num_upper, config.seed)
 
     rbm_path = os.path.join(run.models, "rbm.npz")
     if os.path.exists(rbm_path):

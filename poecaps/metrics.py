@@ -309,6 +309,49 @@ def longest_capsule_clusters(lengths, labels, classes):
     return _clusters(np.argmax(lengths, axis=1), labels, classes, lengths.shape[1])
 
 
+def kmeans(points, k, seed=0, iterations=100):
+    """Lloyd's k-means: `(centroids [k, F], assignment [N])`.
+
+    The reference for "each capsule learns specific objects" with no
+    capsules at all: `k` prototypes of the raw pixels, each image assigned to
+    the nearest. Starts from `k` distinct points drawn with `seed`; stops
+    when no assignment changes or after `iterations` updates. A cluster that
+    loses all its points keeps its centroid.
+    """
+    points = np.asarray(points, "float64")
+    if points.ndim != 2 or not 1 <= k <= len(points):
+        raise ValueError(f"kmeans needs points [N, F] and 1 <= k <= N. Received shape {points.shape} and k={k}")
+    centroids = points[np.random.default_rng(seed).choice(len(points), k, replace=False)]
+    assignment = None
+    for _ in range(iterations):
+        new = nearest_centroid(points, centroids)
+        if assignment is not None and np.array_equal(new, assignment):
+            break
+        assignment = new
+        counts = np.bincount(assignment, minlength=k)
+        sums = np.eye(k)[assignment].T @ points
+        kept = counts > 0
+        centroids[kept] = sums[kept] / counts[kept, None]
+    return centroids, nearest_centroid(points, centroids)
+
+
+def nearest_centroid(points, centroids):
+    """Index of each point's nearest centroid (squared Euclidean), `[N]`."""
+    points, centroids = np.asarray(points, "float64"), np.asarray(centroids, "float64")
+    distances = (np.sum(points ** 2, axis=1)[:, None] - 2 * points @ centroids.T
+                 + np.sum(centroids ** 2, axis=1)[None])
+    return np.argmin(distances, axis=1)
+
+
+def cluster_purity(assignment, labels, classes, count):
+    """`longest_capsule_clusters`' figures for any assignment of images to `count` clusters."""
+    assignment, labels = np.asarray(assignment), np.asarray(labels)
+    if assignment.shape != labels.shape or assignment.ndim != 1 or len(labels) == 0:
+        raise ValueError(f"cluster_purity needs assignment [N] and labels [N], N > 0. "
+                         f"Received shapes {assignment.shape} and {labels.shape}")
+    return _clusters(assignment, labels, classes, count)
+
+
 def _clusters(assignment, labels, classes, count):
     """Majority class and purity of each of `count` clusters (`longest_capsule_clusters`' dict)."""
     size, majority, purity, agreeing = [], [], [], 0

@@ -286,3 +286,31 @@ def test_linear_probe_separates_separable_features(rng):
     assert metrics.linear_probe(features[:200], labels[:200], features[200:], labels[200:]) > 0.95
     noise = rng.normal(size=(300, 3))
     assert metrics.linear_probe(noise[:200], labels[:200], noise[200:], labels[200:]) < 0.6
+
+
+def test_kmeans_recovers_separated_blobs_and_matches_a_plain_lloyd_step(rng):
+    centres = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
+    truth = rng.integers(0, 3, size=300)
+    points = centres[truth] + rng.normal(size=(300, 2)) * 0.5
+    centroids, assignment = metrics.kmeans(points, 3, seed=0)
+    # Each found cluster is one blob, whole: the same partition up to names.
+    assert len({(a, t) for a, t in zip(assignment, truth)}) == 3
+    for j in range(3):
+        np.testing.assert_allclose(centroids[j], points[assignment == j].mean(axis=0))
+        assert np.min(np.linalg.norm(centres - centroids[j], axis=1)) < 0.2
+    # At convergence every point is nearest its own centroid (written out).
+    distances = np.array([[np.sum((p - c) ** 2) for c in centroids] for p in points])
+    np.testing.assert_array_equal(assignment, np.argmin(distances, axis=1))
+    with pytest.raises(ValueError, match="k="):
+        metrics.kmeans(points, 301)
+
+
+def test_cluster_purity_hand_computed():
+    result = metrics.cluster_purity(np.array([0, 0, 0, 1, 1, 2]), np.array([1, 1, 2, 0, 0, 0]), 3, 4)
+    assert result["size"] == [3, 2, 1, 0]
+    assert result["majority"] == [1, 0, 0, None]
+    np.testing.assert_allclose(result["purity"][:3], [2 / 3, 1.0, 1.0])
+    np.testing.assert_allclose(result["overall_purity"], 5 / 6)
+    assert result["classes_covered"] == 2
+    with pytest.raises(ValueError, match="assignment"):
+        metrics.cluster_purity(np.array([0, 1]), np.array([0]), 2, 2)

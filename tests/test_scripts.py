@@ -136,6 +136,11 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     assert sum(result["poecaps"]["longest_capsule_clusters"]["size"]) == result["test_images"]
     assert (result["poecaps"]["one_capsule_decoded_clusters"]["size"]
             == result["poecaps"]["longest_capsule_clusters"]["size"])
+    kmeans = result["pixel_kmeans"]
+    assert sum(kmeans["clusters"]["size"]) == result["test_images"] and len(kmeans["clusters"]["size"]) == 4
+    assert len(kmeans["centroids"]["named"]) == 4
+    assert kmeans["centroids"]["classes_covered"] == len(set(kmeans["centroids"]["named"]))
+    assert "[evaluate] pixel k-means reference (4 clusters): " in err
     sides = result["poecaps"]["longest_capsule_side_clusters"]
     assert [a + b for a, b in zip(sides["both_sides"]["size"][::2], sides["both_sides"]["size"][1::2])] \
         == result["poecaps"]["longest_capsule_clusters"]["size"]
