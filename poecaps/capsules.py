@@ -43,6 +43,20 @@ def length(x, axis=-1):
     return ops.sqrt(ops.maximum(ops.sum(ops.square(x), axis=axis), 0.0))
 
 
+def with_length(x, axis=-1):
+    """`(x, |x|) / sqrt(2)`: a capsule with its length appended as one more coordinate.
+
+    The result has the same length as `x`, so it is on with the same
+    probability. A map linear in it is linear in the pose and in the length
+    apart, so `x` and `-x` (the two sides of a capsule's line) can map to
+    different outputs: `U' (x, |x|) = U x + |x| b`. Not in the paper; its
+    section 4.2 leaves a capsule on "S^m x R^n x (0, 1)" to future work.
+    """
+    if axis != -1:
+        raise ValueError(f"with_length works on the last axis. Received: axis={axis}")
+    return ops.concatenate([x, length(x)[..., None]], axis=-1) / ops.sqrt(2.0)
+
+
 def primary_capsules(code, capsule_dim):
     """Reshape a conv code `[B, H, W, C]` to `[B, H*W*C/capsule_dim, capsule_dim]`.
 

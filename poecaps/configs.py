@@ -59,6 +59,7 @@ class LayerwiseConfig(RunOptions):
     decoder_init: str = "encoder_transpose"   # or "random"
     decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
     decoder_input: str = "all"        # decoder trained on the whole upper code ("all", the paper) or on each image's longest capsule only ("longest")
+    decoder_length: bool = False      # the decoder reads each upper capsule as (x_j, |x_j|)/sqrt(2) (poecaps.capsules.with_length), so a capsule's two sides can decode to different images (not in the paper)
     jit_cd: bool = True               # XLA for the CD stages (not the autoencoder)
     cd_shards: int | None = None      # capsule CD steps in this many concurrent XLA parts (default: 2 on a CPU, 1 with a GPU; needs --jit-cd)
     # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)

@@ -15,7 +15,7 @@ import tensorflow as tf
 from keras import ops
 
 from poecaps import experts, layers, rbm  # noqa: F401  (registers the serializable classes)
-from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash
+from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash, with_length
 
 
 def save_layer(layer, path):
@@ -179,7 +179,14 @@ class CapsulePipeline:
             code = code + self.code_mean
         return self.autoencoder.decode(code)
 
+    @property
+    def decoder_reads_length(self):
+        """True when the decoder was trained on `with_length(x)` (`--decoder-length`)."""
+        return self.decoder._build_shape[-1] == self.upper_dim + 1
+
     def decode_upper(self, upper):
+        if self.decoder_reads_length:
+            upper = with_length(upper)
         return self.decode_lower(self.decoder(upper))
 
     def reconstruct(self, images):

@@ -65,3 +65,19 @@ def test_primary_capsules_reshape_and_inverse(rng):
 def test_primary_capsules_rejects_dimension_not_dividing_channels():
     with pytest.raises(ValueError, match="capsule_dim=7"):
         primary_capsules(np.zeros((1, 2, 2, 16), "float32"), 7)
+
+
+def test_with_length_appends_the_length_and_keeps_it(rng):
+    from poecaps.capsules import with_length
+
+    x = rng.normal(size=(5, 3, 4)).astype("float32") * 0.3
+    out = ops.convert_to_numpy(with_length(x))
+    norm = np.sqrt(np.sum(x * x, axis=-1))
+    np.testing.assert_allclose(out[..., :4], x / np.sqrt(2.0), rtol=1e-6)
+    np.testing.assert_allclose(out[..., 4], norm / np.sqrt(2.0), rtol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(out, axis=-1), norm, rtol=1e-5)   # the same P(on)
+    flipped = ops.convert_to_numpy(with_length(-x))
+    np.testing.assert_allclose(flipped[..., 4], out[..., 4])                      # sides share the length
+    np.testing.assert_allclose(ops.convert_to_numpy(with_length(np.zeros((2, 3), "float32"))), 0.0)
+    with pytest.raises(ValueError, match="last axis"):
+        with_length(x, axis=1)

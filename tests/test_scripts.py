@@ -1,5 +1,6 @@
 """The command-line scripts end to end on real digits (small sizes)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -173,6 +174,20 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
                                rtol=1e-5, atol=1e-6)
     assert np.all(np.count_nonzero(np.linalg.norm(seen["x"], axis=-1), axis=1) == 1)
     np.testing.assert_allclose(seen["y"], lower, rtol=1e-5, atol=1e-6)
+
+    # --decoder-length: the decoder reads (x, |x|)/sqrt(2), and the pipeline
+    # appends the length itself when it decodes (samplers, evaluation).
+    layerwise.train_stage("decoder", dataclasses.replace(config, decoder_length=True), RunDir(run), train, test)
+    cut = metrics.keep_longest(batched(pipeline.upper_capsules, lower))
+    appended = np.concatenate([cut, np.linalg.norm(cut, axis=-1, keepdims=True)], -1) / np.sqrt(2.0)
+    np.testing.assert_allclose(seen["x"], appended, rtol=1e-5, atol=1e-6)
+    reading = CapsulePipeline.load(os.path.join(run, "models"), config.capsule_dim)
+    assert reading.decoder_reads_length and not pipeline.decoder_reads_length
+    upper = batched(reading.upper_capsules, lower[:8])
+    with_lengths = np.concatenate([upper, np.linalg.norm(upper, axis=-1, keepdims=True)], -1) / np.sqrt(2.0)
+    np.testing.assert_allclose(batched(reading.decode_upper, upper),
+                               batched(reading.decode_lower, batched(reading.decoder, with_lengths)),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_resume_refuses_a_different_architecture(tmp_path, mnist_dir):

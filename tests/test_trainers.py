@@ -254,10 +254,12 @@ def test_sparsity_arguments_are_checked(rng):
         layer.cd_gradients(x, hidden=_capsules(rng, 2, 2, 3), sparsity=(0.1, 1.0))
 
 
+@pytest.mark.parametrize("reads_length", [False, True])
 @pytest.mark.parametrize("normalize", ["parents", "children"])
-def test_decoder_starts_as_the_encoders_down_pass(rng, normalize):
+def test_decoder_starts_as_the_encoders_down_pass(rng, normalize, reads_length):
     """At uniform coefficients the initial decoder maps upper capsules to what
-    Algorithm 1's reconstruction `squash(sum_j c_ij W_ij^T x_j)` gives."""
+    Algorithm 1's reconstruction `squash(sum_j c_ij W_ij^T x_j)` gives; a
+    decoder that reads `(x, |x|)/sqrt(2)` (`--decoder-length`) starts the same."""
     from trainers.layerwise import decoder_kernel_from_encoder
 
     num_in, d_in, num_out, d_out = 12, 3, 4, 5
@@ -270,9 +272,12 @@ def test_decoder_starts_as_the_encoders_down_pass(rng, normalize):
     c = ops.convert_to_numpy(encoder.coefficients(x))
     expected = ops.convert_to_numpy(squash(energy.reconstruct(upper, encoder.kernel, c)))
     decoder = CapsuleExperts(num_in, d_in, routing=DynamicRouting(0, "cosine", "children"))
-    decoder.build((None, num_out, d_out))
-    decoder.kernel.assign(decoder_kernel_from_encoder(encoder))
-    np.testing.assert_allclose(ops.convert_to_numpy(decoder(upper)), expected, rtol=1e-5, atol=1e-6)
+    decoder.build((None, num_out, d_out + int(reads_length)))
+    decoder.kernel.assign(decoder_kernel_from_encoder(encoder, reads_length))
+    # (x, |x|)/sqrt(2), written out.
+    inputs = np.concatenate([upper, np.linalg.norm(upper, axis=-1, keepdims=True)], -1) / np.sqrt(2.0)
+    decoded = decoder(inputs if reads_length else upper)
+    np.testing.assert_allclose(ops.convert_to_numpy(decoded), expected, rtol=1e-5, atol=1e-6)
     assert np.abs(expected).max() > 1e-2
 
 

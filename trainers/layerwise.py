@@ -16,6 +16,7 @@ import numpy as np
 
 from poecaps import data as data_lib
 from poecaps import distribute, figures, metrics
+from poecaps.capsules import with_length
 from poecaps.configs import STAGES, LayerwiseConfig
 from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
@@ -81,7 +82,7 @@ def _capsule_model(num_capsules, capsule_dim, iterations, agreement, normalize, 
                           kernel_constraint=IsometricPoses() if pose_constraint == "isometric" else None)
 
 
-def decoder_kernel_from_encoder(encoder):
+def decoder_kernel_from_encoder(encoder, reads_length=False):
     """The decoder's `U [J, I, D_in, D_out]` that starts as `encoder`'s own down pass.
 
     Algorithm 1 reconstructs the lower capsules as `z~_i = sum_j c_ij W_ij^T x_j`;
@@ -90,10 +91,17 @@ def decoder_kernel_from_encoder(encoder):
     parents or `1/I` over children, so `U_ji = (c / e) W_ij^T`: the plain
     transpose for parents, scaled by `J/I` for children (whose W are `I/J`
     times larger for the same model; tests/test_energy.py).
+
+    With `reads_length` the decoder reads `with_length(x) = (x, |x|)/sqrt(2)`:
+    the pose columns are scaled by sqrt(2) and the length column starts at 0,
+    so the starting decoder computes the same as without it.
     """
     num_in, num_out = encoder.kernel.shape[:2]
     scale = encoder.routing.uniform_coefficient(num_in, num_out) * num_out
-    return scale * keras.ops.transpose(encoder.kernel, (1, 0, 3, 2))
+    kernel = scale * keras.ops.transpose(encoder.kernel, (1, 0, 3, 2))
+    if not reads_length:
+        return kernel
+    return keras.ops.concatenate([kernel * np.sqrt(2.0), keras.ops.zeros_like(kernel[..., :1])], axis=-1)
 
 
 def stage_l2(config, stage):
@@ -164,13 +172,14 @@ def train_stage(stage, config, run, train, test, resume=False):
         directions /= np.linalg.norm(directions, axis=-1, keepdims=True) + 1e-8
         # Each lower capsule's coefficients sum to one over the upper capsules,
         # as the encoder's do ("children" of the decoder are the upper capsules).
+        in_dim = upper.shape[2] + int(config.decoder_length)
         decoder = build_layer(_capsule_model(lower.shape[1], lower.shape[2],
                                              config.routing_iterations, config.agreement,
                                              "children", config.seed + 1, init_stddev=0.01),
-                              upper.shape[1:])   # N(0, 0.01); --init-stddev is the encoder's
+                              (upper.shape[1], in_dim))   # N(0, 0.01); --init-stddev is the encoder's
         if config.decoder_init == "encoder_transpose":
             # The trained encoder's own routing axis, whatever this call's --normalize says.
-            decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder))
+            decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder, config.decoder_length))
         heldout_upper = batched(pipeline.upper_capsules, heldout_lower)
         inputs = upper
         if config.decoder_input == "longest":
@@ -178,6 +187,8 @@ def train_stage(stage, config, run, train, test, resume=False):
             # decoder learns what one capsule alone stands for, as a Figure 2
             # sample asks of it; the targets stay the whole image's capsules.
             inputs, heldout_upper = metrics.keep_longest(upper), metrics.keep_longest(heldout_upper)
+        if config.decoder_length:
+            inputs, heldout_upper = (keras.ops.convert_to_numpy(with_length(v)) for v in (inputs, heldout_upper))
         trainer = _cd_trainer(decoder, config, steps, heldout_upper, config.decoder_learning_rate,
                               stage_l2(config, stage))
         targets = lower if config.decoder_rule == "clamped" else None
