@@ -56,7 +56,7 @@ def main(argv=None):
     domain = fitted + {None: "full", "mean": "restricted", "winning": "winning_side"}[args.restricted]
     for name in ("samples.png", f"samples_{domain}.png"):
         figures.image_grid(result["images"], run.file(name),
-                           title=f"Samples from capsule space ({domain} domain): one column per capsule",
+                           title=f"Samples from capsule space ({domain.replace('_', ' ')} domain): one column per capsule",
                            column_labels=range(result["images"].shape[1]))
     print(f"wrote {run.file('samples.png')} and {run.file('samples.npz')} "
           f"(images {result['images'].shape})")
