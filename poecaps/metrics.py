@@ -199,8 +199,13 @@ def principal_axes(moments, directions):
     if moments.ndim != 3 or directions.shape != moments.shape[:2]:
         raise ValueError(f"principal_axes needs moments [J, D, D] and directions [J, D]. "
                          f"Received shapes {moments.shape} and {directions.shape}")
-    axes = np.linalg.eigh(moments)[1][..., -1]
+    axes = _principal_directions(moments)
     return axes * np.where(np.sum(axes * directions, axis=-1, keepdims=True) < 0, -1.0, 1.0)
+
+
+def _principal_directions(moments):
+    """Unit eigenvector of each `M_j`'s largest eigenvalue, `[J, D]` (sign arbitrary)."""
+    return np.linalg.eigh(moments)[1][..., -1]
 
 
 def winning_side_axes(upper, moments=None):
@@ -234,7 +239,7 @@ def winning_side_axes(upper, moments=None):
     if moments.shape != (upper.shape[1], upper.shape[2], upper.shape[2]):
         raise ValueError(f"winning_side_axes needs moments [J, D, D] = "
                          f"{(upper.shape[1], upper.shape[2], upper.shape[2])}. Received shape {moments.shape}")
-    axes = np.linalg.eigh(moments)[1][..., -1]
+    axes = _principal_directions(moments)
     first = axes[np.arange(len(axes)), np.argmax(np.abs(axes) > 1e-12, axis=-1)]
     axes = axes * np.where(first < 0, -1.0, 1.0)[:, None]
     winner = np.argmax(np.linalg.norm(upper, axis=-1), axis=1)

@@ -33,7 +33,6 @@ def main(argv=None):
     from poecaps import figures
     from poecaps.runs import CapsulePipeline, RunDir
     from samplers import CapsuleSampler
-    from samplers.capsule import HALVES
 
     run = RunDir(args.run_dir)
     pipeline = CapsulePipeline.load(run.models, run.read_json("config.json", {}).get("capsule_dim", 8))
@@ -46,9 +45,6 @@ def main(argv=None):
         if moments is None:
             sys.exit(f"{args.run_dir} has no pose moments (models/{name}.npy); train the decoder "
                      "stage again or run scripts/evaluate.py, which stores them.")
-    if args.restricted and getattr(pipeline, HALVES[args.restricted]) is None:
-        sys.exit(f"{args.run_dir} has no models/{HALVES[args.restricted]}.npy; train the decoder stage "
-                 "again or run scripts/evaluate.py, which stores it.")
     result = CapsuleSampler(pipeline, seed=args.seed).sample(
         args.rows, restricted=bool(args.restricted), moments=moments, half=args.restricted or "mean")
     np.savez(run.file("samples.npz"), images=result["images"], draws=result["draws"])
