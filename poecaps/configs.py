@@ -65,6 +65,7 @@ class LayerwiseConfig(RunOptions):
     # sparsity of the capsule encoder's upper capsules (cost 0: off; see CDTrainer)
     sparsity_target: float = 0.1      # target mean P(on) of the encoder's upper capsules
     sparsity_cost: float = 0.0        # weight of the sparsity penalty (0: off)
+    population_sparsity_cost: float = 0.0  # weight of the per-image penalty pulling each image's mean P(on) over the capsules to the target (0: off; not in the paper)
     # baseline
     rbm_hidden: int = 20              # hidden units of the baseline Bernoulli RBM
     rbm_learning_rate: float = 0.05   # SGD learning rate of the RBM
@@ -83,9 +84,11 @@ class LayerwiseConfig(RunOptions):
                      "rbm_learning_rate", "init_stddev"):
             if getattr(self, name) <= 0:
                 raise InputError(f"{name} must be positive. Received: {name}={getattr(self, name)}")
-        if not 0.0 < self.sparsity_target < 1.0 or self.sparsity_cost < 0:
-            raise InputError(f"sparsity_target must be in (0, 1) and sparsity_cost >= 0. Received: "
-                             f"sparsity_target={self.sparsity_target}, sparsity_cost={self.sparsity_cost}")
+        if not 0.0 < self.sparsity_target < 1.0 or self.sparsity_cost < 0 or self.population_sparsity_cost < 0:
+            raise InputError(f"sparsity_target must be in (0, 1) and sparsity_cost, population_sparsity_cost "
+                             f">= 0. Received: sparsity_target={self.sparsity_target}, "
+                             f"sparsity_cost={self.sparsity_cost}, "
+                             f"population_sparsity_cost={self.population_sparsity_cost}")
         if self.cd_shards is not None and (self.cd_shards < 1 or (self.cd_shards > 1 and not self.jit_cd)):
             raise InputError(f"cd_shards must be >= 1, and 1 without jit_cd (each shard is an XLA "
                              f"computation). Received: cd_shards={self.cd_shards}, jit_cd={self.jit_cd}")

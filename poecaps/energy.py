@@ -96,7 +96,7 @@ def mix_j(x, wr, wt, cj, steps=1, zj=None):
     return x, routed_sum_j(x, wr, cj)
 
 
-def sparsity_pull_j(zj, target, cost):
+def sparsity_pull_j(zj, target, cost, population_cost=0.0):
     """Minus the positive-phase factor of the sparsity penalty's gradient, `[J, B, D_out]`.
 
     With `q_j = mean_b P(h_j = 1 | x_b)` and `Omega = cost sum_j (q_j - target)^2`
@@ -105,17 +105,30 @@ def sparsity_pull_j(zj, target, cost):
     which has the shape of eq. 18's positive term; this returns the factor
     that, added to `z_j / (1 + |z_j|^2)`, makes the update ascend
     `log p - Omega`.
+
+    `population_cost` adds the same penalty across capsules instead of
+    across the batch: `population_cost J mean_b (r_b - target)^2` with
+    `r_b = mean_j P(h_j = 1 | x_b)`, each image's own share of capsules on
+    (population sparsity; Willmore and Tolhurst 2001). Its factor has the
+    same form with `r_b` in place of `q_j`. The lifetime term alone lets an
+    image turn on many capsules as long as each capsule is on rarely
+    over the batch; the population term asks each image to be explained by
+    few of them, as a capsule that stands for an object should be.
     """
     sq = ops.sum(ops.square(zj), axis=-1, keepdims=True)                 # [J, B, 1]
-    q = ops.mean(sq / (1.0 + sq), axis=1, keepdims=True)                 # [J, 1, 1]
-    return -2.0 * cost * (q - target) * zj / ops.square(1.0 + sq)
+    p = sq / (1.0 + sq)
+    excess = cost * (ops.mean(p, axis=1, keepdims=True) - target)        # [J, 1, 1]
+    if population_cost:
+        excess = excess + population_cost * (ops.mean(p, axis=0, keepdims=True) - target)  # [1, B, 1]
+    return -2.0 * excess * zj / ops.square(1.0 + sq)
 
 
 def cd_gradient_j(x, zj, cj, x_neg, zj_neg, cj_neg, sparsity=None):
     """Eq. 18 from both phases, averaged over the batch, as W's shape `[I, J, D_out, D_in]`.
 
-    `sparsity=(target, cost)` adds the ascent direction of the penalty of
-    `sparsity_pull_j` on the positive phase's `zj`, at no extra matmul.
+    `sparsity=(target, cost, population_cost)` adds the ascent direction of
+    the penalty of `sparsity_pull_j` on the positive phase's `zj`, at no
+    extra matmul.
     """
     scale = lambda z: z / (1.0 + ops.sum(ops.square(z), axis=-1, keepdims=True))
     positive = scale(zj)

@@ -25,7 +25,10 @@ class EnergyModel:
     (a one-step reconstruction of the data). `sparsity=(target, cost)` adds
     the ascent direction of the sparsity penalty `cost sum_j (q_j - target)^2`
     on the batch's mean probabilities `q_j = mean_b P(h_j = 1 | x_b)` (Lee,
-    Ekanadham and Ng 2008; Hinton's practical guide to RBMs, section 11).
+    Ekanadham and Ng 2008; Hinton's practical guide to RBMs, section 11);
+    `sparsity=(target, cost, population_cost)` also adds
+    `population_cost J mean_b (r_b - target)^2` on each example's mean
+    probability `r_b = mean_j P(h_j = 1 | x_b)` (`energy.sparsity_pull_j`).
     `draws_random_numbers` says whether `cd_gradients` draws from the model's
     seed generator (then `CDTrainer` cannot run it in concurrent shards).
     """
@@ -49,13 +52,22 @@ class EnergyModel:
 
 
 def check_sparsity(sparsity):
-    """Validate `(target, cost)`: a target probability in (0, 1) and a cost >= 0."""
-    target, cost = sparsity
+    """Validate `(target, cost)` or `(target, cost, population_cost)`; returns all three.
+
+    The target is a probability in (0, 1); the costs are >= 0 (a missing
+    population cost is 0).
+    """
+    if len(sparsity) not in (2, 3):
+        raise ValueError(f"sparsity must be (target, cost) or (target, cost, population_cost). "
+                         f"Received: sparsity={sparsity!r}")
+    target, cost, population_cost = (*sparsity, 0.0)[:3]
     if not 0.0 < target < 1.0:
         raise ValueError(f"sparsity target must be in (0, 1). Received: target={target}")
     if cost < 0:
         raise ValueError(f"sparsity cost must be >= 0. Received: cost={cost}")
-    return float(target), float(cost)
+    if population_cost < 0:
+        raise ValueError(f"population sparsity cost must be >= 0. Received: population_cost={population_cost}")
+    return float(target), float(cost), float(population_cost)
 
 
 @keras.saving.register_keras_serializable(package="poecaps")

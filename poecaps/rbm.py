@@ -90,11 +90,16 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
         h_pos, h_neg = self.p_on(v), self.p_on(negatives)
         n = ops.cast(ops.shape(v)[0], v.dtype)
         # Sparsity penalty cost sum_j (q_j - target)^2, q_j = mean_b h_pos: its gradient's
-        # factor per example and unit is 2 cost (q_j - target) h (1 - h) / B.
+        # factor per example and unit is 2 cost (q_j - target) h (1 - h) / B. The
+        # population term population_cost J mean_b (r_b - target)^2, r_b = mean_j h_pos,
+        # has the same factor with r_b in place of q_j.
         pull = 0.0
         if sparsity is not None:
-            target, cost = sparsity
-            pull = -2.0 * cost * (ops.mean(h_pos, axis=0) - target) * h_pos * (1.0 - h_pos)
+            target, cost, population_cost = sparsity
+            excess = cost * (ops.mean(h_pos, axis=0) - target)
+            if population_cost:
+                excess = excess + population_cost * (ops.mean(h_pos, axis=1, keepdims=True) - target)
+            pull = -2.0 * excess * h_pos * (1.0 - h_pos)
         grads = [
             (ops.matmul(ops.transpose(v), h_pos + pull) - ops.matmul(ops.transpose(negatives), h_neg)) / n,
             ops.mean(v, axis=0) - ops.mean(negatives, axis=0),

@@ -111,6 +111,7 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: LayerwiseConfig(cd_shards=0), r"cd_shards must be >= 1.*cd_shards=0"),
     (lambda: LayerwiseConfig(init_stddev=0.0), r"init_stddev must be positive. Received: init_stddev=0.0"),
     (lambda: LayerwiseConfig(sparsity_target=1.5), r"sparsity_target must be in \(0, 1\).*sparsity_target=1.5"),
+    (lambda: LayerwiseConfig(population_sparsity_cost=-1.0), r"population_sparsity_cost=-1.0"),
     (lambda: LayerwiseConfig(decoder_l2=-1.0), r"decoder_l2 must be >= 0. Received: decoder_l2=-1.0"),
     (lambda: LayerwiseConfig(pose_constraint="orthogonal"), r"pose_constraint must be 'none' or 'isometric'.*pose_constraint='orthogonal'"),
     (lambda: LayerwiseConfig(decoder_input="top2"), r"decoder_input must be 'all' or 'longest'.*decoder_input='top2'"),

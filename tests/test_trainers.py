@@ -21,7 +21,7 @@ from trainers.cd import (
     default_optimizer,
     sharded_cd_step,
 )
-from trainers.layerwise import stage_l2
+from trainers.layerwise import _cd_trainer, stage_l2
 from trainers.shards import shard_bounds
 
 
@@ -199,48 +199,65 @@ def test_autoencoder_trainer_reduces_reconstruction_error(rng):
     assert history.history["mse"][-1] < history.history["mse"][0]
 
 
-@pytest.mark.parametrize("iterations", [0, 2])
-def test_capsule_sparsity_term_is_minus_autodiff_of_penalty(rng, iterations):
-    """The closed-form sparsity term equals -d/dW cost sum_j (q_j - p)^2 with c held fixed."""
+@pytest.mark.parametrize("iterations,cost,population_cost", [(0, 0.7, 0.0), (2, 0.7, 0.0), (0, 0.0, 1.3),
+                                                             (2, 0.7, 1.3)])
+def test_capsule_sparsity_term_is_minus_autodiff_of_penalty(rng, iterations, cost, population_cost):
+    """The closed-form sparsity term equals -d/dW of cost sum_j (q_j - p)^2
+    + population_cost J mean_b (r_b - p)^2, with c held fixed."""
     x = _capsules(rng, 5, 6, 3).astype("float64")
     layer = CapsuleExperts(3, 4, routing=DynamicRouting(iterations, "cosine"), dtype="float64",
                            kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=1))
     layer.build((None, 6, 3))
-    target, cost = 0.2, 0.7
+    target = 0.2
     plain, _, _ = layer.cd_gradients(x)
-    sparse, _, _ = layer.cd_gradients(x, sparsity=(target, cost))
+    sparse, _, _ = layer.cd_gradients(x, sparsity=(target, cost, population_cost))
     c = tf.constant(ops.convert_to_numpy(layer.coefficients(x)))
     kernel = tf.Variable(ops.convert_to_numpy(layer.kernel))
     with tf.GradientTape() as tape:
         z = tf.einsum("bij,ijoe,bie->bjo", c, kernel, x)    # eq. 3, independent of energy.py
         s = tf.reduce_sum(z * z, -1)
-        penalty = cost * tf.reduce_sum((tf.reduce_mean(s / (1 + s), 0) - target) ** 2)
+        p_on = s / (1 + s)                                   # [B, J]
+        penalty = (cost * tf.reduce_sum((tf.reduce_mean(p_on, 0) - target) ** 2)
+                   + population_cost * 3 * tf.reduce_mean((tf.reduce_mean(p_on, 1) - target) ** 2))
     expected = -tape.gradient(penalty, kernel).numpy()
     assert np.max(np.abs(expected)) > 1e-4
     np.testing.assert_allclose(ops.convert_to_numpy(sparse[0] - plain[0]), expected, rtol=1e-6, atol=1e-12)
 
 
-def test_rbm_sparsity_term_is_minus_autodiff_of_penalty(rng):
+@pytest.mark.parametrize("cost,population_cost", [(0.5, 0.0), (0.0, 0.8), (0.5, 0.8)])
+def test_rbm_sparsity_term_is_minus_autodiff_of_penalty(rng, cost, population_cost):
     v = rng.uniform(size=(6, 5))
     rbm = BernoulliRBM(3, seed=0, dtype="float64")
     rbm.build((None, 5))
     rbm.kernel.assign(rng.normal(size=(5, 3)))
     rbm.hidden_bias.assign(rng.normal(size=3))
-    target, cost = 0.1, 0.5
+    target = 0.1
     # The same Gibbs draws in both calls, so the negative phases cancel.
     start = rbm.seed_generator.state.numpy()
     plain, _, _ = rbm.cd_gradients(v)
     rbm.seed_generator.state.assign(start)
-    sparse, _, _ = rbm.cd_gradients(v, sparsity=(target, cost))
+    sparse, _, _ = rbm.cd_gradients(v, sparsity=(target, cost, population_cost))
     kernel, bias = tf.Variable(rbm.kernel.numpy()), tf.Variable(rbm.hidden_bias.numpy())
     with tf.GradientTape() as tape:
-        q = tf.reduce_mean(tf.sigmoid(v @ kernel + bias), 0)
-        penalty = cost * tf.reduce_sum((q - target) ** 2)
+        h = tf.sigmoid(v @ kernel + bias)                    # [B, J]
+        penalty = (cost * tf.reduce_sum((tf.reduce_mean(h, 0) - target) ** 2)
+                   + population_cost * 3 * tf.reduce_mean((tf.reduce_mean(h, 1) - target) ** 2))
     d_kernel, d_bias = tape.gradient(penalty, [kernel, bias])
     np.testing.assert_allclose(ops.convert_to_numpy(sparse[0] - plain[0]), -d_kernel.numpy(),
                                rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(ops.convert_to_numpy(sparse[2] - plain[2]), -d_bias.numpy(),
                                rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("cost,population_cost,expected", [(0.0, 0.0, None), (2.0, 0.0, (0.2, 2.0, 0.0)),
+                                                           (0.0, 3.0, (0.2, 0.0, 3.0))])
+def test_layerwise_config_sets_both_sparsity_costs(rng, cost, population_cost, expected):
+    """`--sparsity-cost` and `--population-sparsity-cost` reach the encoder's CD trainer."""
+    config = LayerwiseConfig(sparsity_target=0.2, sparsity_cost=cost, population_sparsity_cost=population_cost,
+                             jit_cd=False)
+    trainer = _cd_trainer(_experts(4, 2, 2, 3), config, 10, _capsules(rng, 2, 4, 2), 0.1, 0.0,
+                          config.sparsity_cost, config.population_sparsity_cost)
+    assert trainer.sparsity == expected
 
 
 def test_sparsity_arguments_are_checked(rng):
@@ -250,6 +267,10 @@ def test_sparsity_arguments_are_checked(rng):
         layer.cd_gradients(x, sparsity=(1.5, 0.1))
     with pytest.raises(ValueError, match="sparsity cost must be >= 0"):
         CDTrainer(layer, sparsity_cost=-1.0)
+    with pytest.raises(ValueError, match="population sparsity cost must be >= 0"):
+        CDTrainer(layer, population_sparsity_cost=-1.0)
+    with pytest.raises(ValueError, match=r"sparsity must be \(target, cost\)"):
+        layer.cd_gradients(x, sparsity=(0.1,))
     with pytest.raises(ValueError, match="clamped"):
         layer.cd_gradients(x, hidden=_capsules(rng, 2, 2, 3), sparsity=(0.1, 1.0))
 

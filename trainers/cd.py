@@ -86,6 +86,10 @@ class CDTrainer(keras.Model):
             probability that hidden unit j is on (per replica under a
             strategy, per shard with `shards > 1`); cost 0 (default) turns
             it off.
+        population_sparsity_cost: with a cost > 0, the update also descends
+            `cost J mean_b (r_b - sparsity_target)^2`, `r_b` the mean
+            probability over the J hidden units for example b (population
+            sparsity: few units on per example); 0 (default) turns it off.
         shards: cut each batch into this many near-equal parts, each a CD
             step compiled by XLA on its own, which TensorFlow's executor runs
             at the same time on different cores (XLA runs one computation's
@@ -100,7 +104,7 @@ class CDTrainer(keras.Model):
 
     def __init__(self, model, preprocess=None, steps=1, persistent=False, chain_shape=None,
                  l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, shards=1,
-                 **kwargs):
+                 population_sparsity_cost=0.0, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"CD needs steps >= 1. Received: steps={steps!r}")
@@ -117,8 +121,8 @@ class CDTrainer(keras.Model):
             raise InputError("Persistent chains live on one device; use CD-k (persistent=False) under a "
                              f"strategy with {distribute.num_replicas()} replicas. Received: persistent=True")
         self.sparsity = None
-        if sparsity_cost:
-            self.sparsity = check_sparsity((sparsity_target, sparsity_cost))
+        if sparsity_cost or population_sparsity_cost:
+            self.sparsity = check_sparsity((sparsity_target, sparsity_cost, population_sparsity_cost))
         self.energy_model = model
         self._identity_preprocess = preprocess is None
         self.preprocess = preprocess or (lambda images: images)

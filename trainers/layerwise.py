@@ -111,14 +111,16 @@ def stage_l2(config, stage):
     return config.l2
 
 
-def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, l2, sparsity_cost=0.0):
+def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, l2, sparsity_cost=0.0,
+                population_sparsity_cost=0.0):
     shards = 1
     if config.jit_cd:
         shards = default_shards() if config.cd_shards is None else config.cd_shards
     trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
                         chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
                         l2=l2, heldout=heldout, seed=config.seed,
-                        sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost, shards=shards)
+                        sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost, shards=shards,
+                        population_sparsity_cost=population_sparsity_cost)
     trainer.compile(optimizer=default_optimizer(learning_rate, steps_per_epoch, config.decay_rate,
                                                 config.momentum),
                     jit_compile=config.jit_cd)
@@ -162,7 +164,7 @@ def train_stage(stage, config, run, train, test, resume=False):
                               lower.shape[1:])
         trainer = _cd_trainer(encoder, config, steps, heldout_lower, config.cd_learning_rate,
                               stage_l2(config, stage),
-                              config.sparsity_cost)
+                              config.sparsity_cost, config.population_sparsity_cost)
         _fit(trainer, lower, config, run, stage, config.encoder_epochs, resume,
              callbacks=[OffCapsulesWarning()])
         save_layer(encoder, os.path.join(run.models, "encoder.npz"))
