@@ -182,6 +182,12 @@ class EvaluationConfig:
     rows: int = 20                 # samples per capsule for specialisation
     classifier_epochs: int = 3     # reference classifier epochs (trained once per run)
     restricted: bool = True        # also report the restricted domain, both halves (mean direction, winning side)
+    draws: int = 5                 # draws of the paper's N(0, I) grid per domain (sampler seeds seed, seed+1, ...)
+
+    def __post_init__(self):
+        for name in ("rows", "classifier_epochs", "draws"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,6 +74,36 @@ def _capsule_samples(pipeline, moments, classifier, classes, run, config):
                                title=f"One capsule drawn from {title}, {domain.replace('_', ' ')} domain "
                                      "(not the paper's N(0, I)): one column per capsule",
                                column_labels=range(images.shape[1]))
+    found.update(_paper_sampler_draws(pipeline, classifier, classes, list(domains.items()), found, config))
+    return found
+
+
+def _paper_sampler_draws(pipeline, classifier, classes, domains, first, config):
+    """The paper's N(0, I) grid drawn `config.draws` times per domain.
+
+    Draw k uses `CapsuleSampler(seed=config.seed + k)`; draw 0 is the one
+    reported as `samples_<domain>` (`first`). One draw of `rows` per capsule
+    can cover a class more or less by chance, so the spread over draws says
+    how far a single figure can be trusted.
+    """
+    found = {f"samples_{domain}_draws": {"sampler_seeds": [config.seed],
+                                         "classes_covered": [first[f"samples_{domain}"]["classes_covered"]],
+                                         "mean_purity": [first[f"samples_{domain}"]["mean_purity"]]}
+             for domain, _ in domains}
+    for k in range(1, config.draws):
+        sampler = CapsuleSampler(pipeline, seed=config.seed + k)
+        for domain, (restricted, half) in domains:
+            images = sampler.sample(config.rows, restricted=restricted, half=half)["images"]
+            drawn = _specialisation(classifier, images, classes)
+            entry = found[f"samples_{domain}_draws"]
+            entry["sampler_seeds"].append(config.seed + k)
+            entry["classes_covered"].append(drawn["classes_covered"])
+            entry["mean_purity"].append(drawn["mean_purity"])
+    for domain, _ in domains:
+        entry = found[f"samples_{domain}_draws"]
+        print(f"[evaluate] N(0, I), {domain.replace('_', ' ')} domain, {config.draws} draws: classes "
+              f"{entry['classes_covered']}, mean purity {[round(p, 3) for p in entry['mean_purity']]}",
+              file=sys.stderr, flush=True)
     return found
 
 
@@ -189,7 +219,7 @@ def evaluate_run(run_dir, config=None):
                                         "mean": float(share.mean())}
     capsules["training_images_longest"] = np.bincount(
         np.argmax(train_lengths, axis=1), minlength=pipeline.num_upper).tolist()
-    with _phase(f"samples, {config.rows} per capsule and sampler"):
+    with _phase(f"samples, {config.rows} per capsule and sampler ({config.draws} draws of N(0, I))"):
         capsules.update(_capsule_samples(pipeline, moments, classifier, classes, run, config))
     result["poecaps"] = capsules
     shown = np.linspace(0, len(test) - 1, 12).astype(int)  # spread over classes

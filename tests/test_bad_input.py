@@ -11,7 +11,7 @@ import pytest
 
 from poecaps import data as data_lib
 from poecaps import routing
-from poecaps.configs import BaselineConfig, LayerwiseConfig
+from poecaps.configs import BaselineConfig, EvaluationConfig, LayerwiseConfig
 from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import PrimaryCapsules
@@ -115,6 +115,8 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: LayerwiseConfig(decoder_l2=-1.0), r"decoder_l2 must be >= 0. Received: decoder_l2=-1.0"),
     (lambda: LayerwiseConfig(pose_constraint="orthogonal"), r"pose_constraint must be 'none' or 'isometric'.*pose_constraint='orthogonal'"),
     (lambda: LayerwiseConfig(decoder_input="top2"), r"decoder_input must be 'all' or 'longest'.*decoder_input='top2'"),
+    (lambda: EvaluationConfig(draws=0), r"draws must be >= 1. Received: draws=0"),
+    (lambda: EvaluationConfig(rows=0), r"rows must be >= 1. Received: rows=0"),
     (lambda: BaselineConfig(learning_rate=-1.0), r"learning_rate must be positive. Received: learning_rate=-1.0"),
     (lambda: BaselineConfig(model="em", routing_iterations=0), r"routing_iterations must be .* >= 1 for em"),
     (lambda: BaselineConfig(epochs=0), r"epochs must be >= 1. Received: epochs=0"),

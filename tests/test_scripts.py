@@ -119,7 +119,8 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     _run("sample.py", "--run-dir", run, "--rows", "2", "--restricted", "winning")
     assert os.path.exists(os.path.join(run, "samples_winning_side.png"))
 
-    out, err = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1", stderr=True)
+    out, err = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--classifier-epochs", "1", "--draws", "3",
+                    stderr=True)
     result = json.loads(out)   # stdout is the JSON alone; the progress goes to stderr
     for step in ("reference classifier", "linear probes", "one-capsule decodings", "Bernoulli RBM"):
         assert f"[evaluate] {step}: " in err, err[-2000:]
@@ -153,6 +154,7 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     assert len(share["per_capsule"]) == 4 and 0.25 - 1e-6 <= share["mean"] <= 1.0 + 1e-6
     assert result["rbm"]["hidden_units"] == 20
     assert os.path.exists(os.path.join(run, "reconstructions.png"))
+    _check_sampler_draws(run, result["poecaps"], err)
 
 
     # --decoder-input longest: the decoder stage trains on each image's code cut
@@ -188,6 +190,31 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     np.testing.assert_allclose(batched(reading.decode_upper, upper),
                                batched(reading.decode_lower, batched(reading.decoder, with_lengths)),
                                rtol=1e-5, atol=1e-6)
+
+
+def _check_sampler_draws(run, figures, err):
+    """`--draws 3`: draw k is CapsuleSampler(seed=k), labelled and counted here by hand."""
+    import keras
+
+    from poecaps.runs import CapsulePipeline
+    from samplers import CapsuleSampler
+
+    pipeline = CapsulePipeline.load(os.path.join(run, "models"), 8)
+    classifier = keras.saving.load_model(os.path.join(run, "models", "reference_classifier.keras"))
+    for domain, kwargs in (("full", {}), ("restricted", {"restricted": True}),
+                           ("winning_side", {"restricted": True, "half": "winning"})):
+        draws = figures[f"samples_{domain}_draws"]
+        assert draws["sampler_seeds"] == [0, 1, 2]
+        assert draws["classes_covered"][0] == figures[f"samples_{domain}"]["classes_covered"]
+        assert draws["mean_purity"][0] == figures[f"samples_{domain}"]["mean_purity"]
+        for k in range(3):
+            images = CapsuleSampler(pipeline, seed=k).sample(5, **kwargs)["images"]
+            labels = np.argmax(classifier.predict(images.reshape(-1, 28, 28, 1), verbose=0), -1).reshape(5, -1)
+            majority = [np.bincount(column).argmax() for column in labels.T]
+            purity = np.mean([np.mean(column == m) for column, m in zip(labels.T, majority)])
+            assert draws["classes_covered"][k] == len(set(majority))
+            np.testing.assert_allclose(draws["mean_purity"][k], purity, rtol=1e-6)
+        assert f"[evaluate] N(0, I), {domain.replace('_', ' ')} domain, 3 draws: classes " in err
 
 
 def test_resume_refuses_a_different_architecture(tmp_path, mnist_dir):
