@@ -143,6 +143,21 @@ def _kmeans_reference(train, test, test_labels, classifier, classes, k, seed):
             "centroids": {"named": [int(c) for c in named], "classes_covered": len(set(named.tolist()))}}
 
 
+def _class_mean_reference(train, train_labels, classifier, classes):
+    """The reference classifier on each class's mean training image.
+
+    What a sampler that drew each class's prototype would show: the classes
+    whose mean image is still named as itself bound what blurred,
+    prototype-like samples can cover.
+    """
+    present = [c for c in range(classes) if np.any(train_labels == c)]
+    means = np.stack([train[train_labels == c].mean(axis=0) for c in present]).astype("float32")
+    named = _predict(classifier, means)
+    return {"classes": present, "named": [int(c) for c in named],
+            "named_as_itself": int(np.sum(named == np.asarray(present))),
+            "classes_covered": len(set(named.tolist()))}
+
+
 def evaluate_run(run_dir, config=None):
     """Compute and write `run_dir/eval.json`; returns the dict (`config`: an `EvaluationConfig`)."""
     config = config or EvaluationConfig()
@@ -230,6 +245,8 @@ def evaluate_run(run_dir, config=None):
     with _phase(f"pixel k-means reference ({pipeline.num_upper} clusters)"):
         result["pixel_kmeans"] = _kmeans_reference(train, test, test_labels, classifier, classes,
                                                    pipeline.num_upper, config.seed)
+
+    result["class_mean_reference"] = _class_mean_reference(train, train_labels, classifier, classes)
 
     rbm_path = os.path.join(run.models, "rbm.npz")
     if os.path.exists(rbm_path):

@@ -155,6 +155,7 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     assert result["rbm"]["hidden_units"] == 20
     assert os.path.exists(os.path.join(run, "reconstructions.png"))
     _check_sampler_draws(run, result["poecaps"], err)
+    _check_class_mean_reference(run, result["class_mean_reference"])
 
 
     # --decoder-input longest: the decoder stage trains on each image's code cut
@@ -215,6 +216,24 @@ def _check_sampler_draws(run, figures, err):
             assert draws["classes_covered"][k] == len(set(majority))
             np.testing.assert_allclose(draws["mean_purity"][k], purity, rtol=1e-6)
         assert f"[evaluate] N(0, I), {domain.replace('_', ' ')} domain, 3 draws: classes " in err
+
+
+def _check_class_mean_reference(run, reference):
+    """Each class's mean training image, labelled here by the run's classifier."""
+    import keras
+
+    from poecaps.configs import LayerwiseConfig
+    from poecaps.runs import RunDir
+    from trainers.layerwise import load_images
+
+    train, labels, _ = load_images(LayerwiseConfig(**RunDir(run).read_json("config.json")), "train")
+    classifier = keras.saving.load_model(os.path.join(run, "models", "reference_classifier.keras"))
+    present = sorted(set(labels.tolist()))
+    means = np.stack([train[labels == c].mean(0) for c in present])
+    named = np.argmax(classifier.predict(means, verbose=0), -1)
+    assert reference["classes"] == present and reference["named"] == named.tolist()
+    assert reference["named_as_itself"] == int(np.sum(named == present))
+    assert reference["classes_covered"] == len(set(named.tolist()))
 
 
 def test_resume_refuses_a_different_architecture(tmp_path, mnist_dir):
