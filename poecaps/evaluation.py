@@ -146,9 +146,9 @@ def _kmeans_reference(train, test, test_labels, classifier, classes, k, seed):
 def _class_mean_reference(train, train_labels, classifier, classes):
     """The reference classifier on each class's mean training image.
 
-    What a sampler that drew each class's prototype would show: the classes
-    whose mean image is still named as itself bound what blurred,
-    prototype-like samples can cover.
+    What a sampler that drew each class's prototype would show. A guide to
+    what blurred, prototype-like samples can cover, not a bound: a blurred
+    sample is not a class mean, and may be named otherwise.
     """
     present = [c for c in range(classes) if np.any(train_labels == c)]
     means = np.stack([train[train_labels == c].mean(axis=0) for c in present]).astype("float32")
