@@ -13,6 +13,14 @@ from poecaps.data import DATASETS
 from poecaps.errors import InputError
 from poecaps.run_options import RunOptions
 
+
+def _check_at_least_one(config, names):
+    """Raise `InputError` naming the first of `names` whose value is below 1."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise InputError(f"{name} must be >= 1. Received: {name}={getattr(config, name)}")
+
+
 # Layer-wise stages, in training order (`scripts/train_layerwise.py --stage`).
 STAGES = ("autoencoder", "encoder", "decoder", "rbm")
 # Supervised baselines (`scripts/baseline.py --model`).
@@ -77,9 +85,7 @@ class LayerwiseConfig(RunOptions):
                              f"Received: capsule_dim={self.capsule_dim}, filters={self.filters}")
         if self.dataset not in DATASETS:
             raise InputError(f"dataset must be one of {DATASETS}. Received: dataset={self.dataset!r}")
-        for name in ("batch_size", "num_capsules", "upper_dim", "capsule_dim", "cd_steps"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
+        _check_at_least_one(self, ("batch_size", "num_capsules", "upper_dim", "capsule_dim", "cd_steps"))
         for name in ("ae_learning_rate", "cd_learning_rate", "decoder_learning_rate",
                      "rbm_learning_rate", "init_stddev"):
             if getattr(self, name) <= 0:
@@ -139,9 +145,7 @@ class BaselineConfig(RunOptions):
             raise InputError(f"dataset must be one of {DATASETS}. Received: dataset={self.dataset!r}")
         if self.em_size not in ("small", "paper"):
             raise InputError(f"em_size must be 'small' or 'paper'. Received: em_size={self.em_size!r}")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
+        _check_at_least_one(self, ("epochs", "batch_size"))
         if self.learning_rate <= 0:
             raise InputError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate}")
         if self.jit_compile not in ("auto", "true", "false"):
@@ -185,9 +189,7 @@ class EvaluationConfig:
     draws: int = 5                 # draws of the paper's N(0, I) grid per domain (sampler seeds seed, seed+1, ...)
 
     def __post_init__(self):
-        for name in ("rows", "classifier_epochs", "draws"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be >= 1. Received: {name}={getattr(self, name)}")
+        _check_at_least_one(self, ("rows", "classifier_epochs", "draws"))
 
 
 @dataclasses.dataclass(frozen=True)

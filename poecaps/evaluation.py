@@ -125,6 +125,12 @@ def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classe
     }
 
 
+def _named_prototypes(classifier, images):
+    """The reference classifier's class for each prototype image, and how many distinct classes."""
+    named = _predict(classifier, images)
+    return {"named": [int(c) for c in named], "classes_covered": len(set(named.tolist()))}
+
+
 def _kmeans_reference(train, test, test_labels, classifier, classes, k, seed):
     """What k pixel prototypes reach on the same figures as the J capsules.
 
@@ -137,10 +143,9 @@ def _kmeans_reference(train, test, test_labels, classifier, classes, k, seed):
     """
     flat = lambda x: x.reshape(len(x), -1)
     centroids, _ = metrics.kmeans(flat(train), k, seed=seed)
-    named = _predict(classifier, centroids.reshape(k, *train.shape[1:]).astype("float32"))
     return {"clusters": metrics.cluster_purity(metrics.nearest_centroid(flat(test), centroids),
                                                test_labels, classes, k),
-            "centroids": {"named": [int(c) for c in named], "classes_covered": len(set(named.tolist()))}}
+            "centroids": _named_prototypes(classifier, centroids.reshape(k, *train.shape[1:]).astype("float32"))}
 
 
 def _class_mean_reference(train, train_labels, classifier, classes):
@@ -152,10 +157,9 @@ def _class_mean_reference(train, train_labels, classifier, classes):
     """
     present = [c for c in range(classes) if np.any(train_labels == c)]
     means = np.stack([train[train_labels == c].mean(axis=0) for c in present]).astype("float32")
-    named = _predict(classifier, means)
-    return {"classes": present, "named": [int(c) for c in named],
-            "named_as_itself": int(np.sum(named == np.asarray(present))),
-            "classes_covered": len(set(named.tolist()))}
+    named = _named_prototypes(classifier, means)
+    return {"classes": present, **named,
+            "named_as_itself": int(np.sum(np.asarray(named["named"]) == np.asarray(present)))}
 
 
 def evaluate_run(run_dir, config=None):
