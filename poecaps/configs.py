@@ -23,6 +23,7 @@ def _check_at_least_one(config, names):
 
 # Layer-wise stages, in training order (`scripts/train_layerwise.py --stage`).
 STAGES = ("autoencoder", "encoder", "decoder", "rbm")
+DECODER_RULES = ("clamped", "section41", "delta", "mirror")
 # Supervised baselines (`scripts/baseline.py --model`).
 MODELS = ("capsnet", "em")
 
@@ -65,7 +66,7 @@ class LayerwiseConfig(RunOptions):
     cd_steps: int = 1                 # k of CD-k
     persistent: bool = False          # persistent chains (PCD) instead of CD-k from the data
     decoder_init: str = "encoder_transpose"   # or "random"
-    decoder_rule: str = "clamped"     # "clamped" (section 4.1) or "mirror" (eq. 18 mirrored)
+    decoder_rule: str = "clamped"     # "clamped" (data lower capsules, Algorithm 1's mixing), "section41" (section 4.1's rule as printed), "delta" (wake-sleep's delta rule; not in the paper) or "mirror" (eq. 18 mirrored)
     decoder_input: str = "all"        # decoder trained on the whole upper code ("all", the paper) or on each image's longest capsule only ("longest")
     decoder_length: bool = False      # the decoder reads each upper capsule as (x_j, |x_j|)/sqrt(2) (poecaps.capsules.with_length), so a capsule's two sides can decode to different images (not in the paper)
     jit_cd: bool = True               # XLA for the CD stages (not the autoencoder)
@@ -98,8 +99,8 @@ class LayerwiseConfig(RunOptions):
         if self.cd_shards is not None and (self.cd_shards < 1 or (self.cd_shards > 1 and not self.jit_cd)):
             raise InputError(f"cd_shards must be >= 1, and 1 without jit_cd (each shard is an XLA "
                              f"computation). Received: cd_shards={self.cd_shards}, jit_cd={self.jit_cd}")
-        if self.decoder_rule not in ("clamped", "mirror"):
-            raise InputError(f"decoder_rule must be 'clamped' or 'mirror'. "
+        if self.decoder_rule not in DECODER_RULES:
+            raise InputError(f"decoder_rule must be one of {DECODER_RULES}. "
                              f"Received: decoder_rule={self.decoder_rule!r}")
         if self.decoder_input not in ("all", "longest"):
             raise InputError(f"decoder_input must be 'all' or 'longest'. "

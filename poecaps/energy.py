@@ -142,7 +142,25 @@ def cd_gradient_j(x, zj, cj, x_neg, zj_neg, cj_neg, sparsity=None):
         return (ops.matmul(ops.transpose(pos), _weighted_input(c, x))
                 - ops.matmul(ops.transpose(neg), _weighted_input(c_neg, x_neg)))
 
-    grad = ops.map(one_capsule, (cj, cj_neg, positive, negative))
+    return _kernel_mean(ops.map(one_capsule, (cj, cj_neg, positive, negative)), x)
+
+
+def delta_gradient_j(x, zj, cj, zj_target):
+    """The delta rule `2 mean_b c_ij (t_j - z_j) x_i^T` as W's shape `[I, J, D_out, D_in]`.
+
+    Minus the gradient of `mean_b sum_j |t_j - z_j|^2` with `c` held fixed:
+    the hidden pre-activations `z_j` regressed onto targets `t_j`.
+    """
+    def one_capsule(args):
+        c, error = args
+        # [D_out, B] x [B, I*D_in] -> [D_out, I*D_in]
+        return ops.matmul(ops.transpose(error), _weighted_input(c, x))
+
+    return _kernel_mean(ops.map(one_capsule, (cj, zj_target - zj)), x)
+
+
+def _kernel_mean(grad, x):
+    """`[J, D_out, I*D_in]` sums over the batch -> `2 / B` times them as `[I, J, D_out, D_in]`."""
     num_out, d_out = grad.shape[0], grad.shape[1]
     grad = ops.reshape(grad, (num_out, d_out, -1, x.shape[-1]))
     return 2.0 * ops.transpose(grad, (2, 0, 1, 3)) / ops.cast(ops.shape(x)[0], x.dtype)

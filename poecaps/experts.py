@@ -10,8 +10,11 @@ import keras
 from keras import ops
 
 from poecaps import energy
-from poecaps.capsules import unsquash
+from poecaps.capsules import squash, unsquash
 from poecaps.layers.capsule_dense import CapsuleDense
+
+# Decoder rules on (visible, clamped hidden) pairs (`CapsuleExperts.clamped_gradients`).
+CLAMPED_RULES = ("section41", "delta")
 
 
 class EnergyModel:
@@ -86,17 +89,35 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
     roles swapped, as the capsule decoder (20 x 16-D visible, 576 x 8-D
     hidden; Hauser section 4.1), whose `call` routes upper capsules down.
 
-    Decoder rule. Section 4.1 trains U with "the data z_i and x_j fixed by
+    Decoder rules. Section 4.1 trains U with "the data z_i and x_j fixed by
     the W's": the positive phase clamps the hidden (lower) capsules to the
     data's own pre-activations, `z_i = unsquash(x_i)`, instead of inferring
-    them, so `cd_gradients(x, hidden=lower)` returns
+    them. Three rules share that positive phase:
 
         dU_ji = 2 e_ji ( z_i x_j^T / (1 + |z_i|^2) - z~_i x~_j^T / (1 + |z~_i|^2) )
 
-    with the negative phase mixed as in Algorithm 1. Without `hidden` the
-    rule is the mirror image of eq. 18, `-grad_U [F(x) - F(x~)]`, which
-    models the upper capsules but never ties the decoder's hidden units to
-    the front end's code (so its samples do not decode to images).
+    - `cd_gradients(x, hidden=lower)`: the negative phase mixed as in
+      Algorithm 1, `x~ = squash(sum_i e_ji U_ji^T squash(z^_i))`,
+      `z~_i = sum_j e_ji U_ji x~_j` with `z^_i = sum_j e_ji U_ji x_j`
+      (poecaps' reading until 2026-11-25, `decoder_rule="clamped"`);
+    - `clamped_gradients(x, lower, "section41")`: the rule as section 4.1
+      prints it, `z~_i = sum_j e_ji U_ji x_j` from the data's `x_j` and
+      `x~_j = squash(sum_i e_ji U_ji^T z~_i)`, with no squash in between;
+    - `clamped_gradients(x, lower, "delta")` (not in the paper): the
+      generative weights' delta rule of the wake-sleep algorithm (Hinton,
+      Dayan, Frey and Neal 1995), which regresses the decoded
+      pre-activations onto the data's,
+      `dU_ji = 2 e_ji ( z_i - z~_i ) x_j^T` with `z~_i = sum_j e_ji U_ji x_j`,
+      minus the gradient of `sum_i |z_i - z~_i|^2` with `e` held fixed.
+
+    On Fashion-MNIST a decoder trained by the first rule on one-capsule
+    codes returns lower capsules about a third as long as the data's, so a
+    capsule alone decodes to little more than the mean image; the other two
+    pair the data's `z_i` with the model's prediction from the same `x_j`.
+    Without `hidden` the rule is the mirror image of eq. 18,
+    `-grad_U [F(x) - F(x~)]`, which models the upper capsules but never ties
+    the decoder's hidden units to the front end's code (so its samples do
+    not decode to images).
 
     Args: as `CapsuleDense`; the routing defaults to Hauser's cosine
     agreement with 3 iterations.
@@ -135,6 +156,31 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
             return ops.stop_gradient(cj), zj
         cj = energy.to_j_major(self.coefficients(x))
         return cj, energy.routed_sum_j(x, energy.kernel_views(self.kernel)[0], cj)
+
+    def clamped_gradients(self, x, hidden, rule):
+        """A decoder rule on (visible, clamped hidden) pairs, `rule` "section41" or "delta": `(grads, x, stats)`.
+
+        The rules are in the class docstring. `stats` holds `free_energy [B]`,
+        `p_on [B, J]` and `code_error [B]`, each example's mean squared error
+        of the predicted pre-activations `z~` against `unsquash(hidden)`.
+        """
+        if rule not in CLAMPED_RULES:
+            raise ValueError(f"rule must be one of {CLAMPED_RULES}. Received: rule={rule!r}")
+        if not self.built:
+            self.build(tuple(x.shape))
+        cj, zj = self._route_j(x)
+        target = ops.transpose(unsquash(hidden), (1, 0, 2))
+        if rule == "delta":
+            grad = energy.delta_gradient_j(x, zj, cj, target)
+        else:
+            _, wt = energy.kernel_views(self.kernel)
+            x_neg = squash(energy.reconstruct_j(zj, wt, cj, x.shape[-1]))
+            grad = energy.cd_gradient_j(x, target, cj, x_neg, zj, cj)
+        sq = ops.transpose(ops.sum(ops.square(zj), axis=-1))
+        code_error = ops.mean(ops.square(target - zj), axis=(0, 2))
+        stats = {"free_energy": -ops.sum(ops.log1p(sq), axis=-1), "p_on": sq / (1.0 + sq),
+                 "code_error": code_error}
+        return [grad], x, stats
 
     def _cd_gradients(self, x, steps, chain, hidden=None, sparsity=None):
         wr, wt = energy.kernel_views(self.kernel)

@@ -114,6 +114,7 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: LayerwiseConfig(population_sparsity_cost=-1.0), r"population_sparsity_cost=-1.0"),
     (lambda: LayerwiseConfig(decoder_l2=-1.0), r"decoder_l2 must be >= 0. Received: decoder_l2=-1.0"),
     (lambda: LayerwiseConfig(pose_constraint="orthogonal"), r"pose_constraint must be 'none' or 'isometric'.*pose_constraint='orthogonal'"),
+    (lambda: LayerwiseConfig(decoder_rule="regression"), r"decoder_rule must be one of .*decoder_rule='regression'"),
     (lambda: LayerwiseConfig(decoder_input="top2"), r"decoder_input must be 'all' or 'longest'.*decoder_input='top2'"),
     (lambda: EvaluationConfig(draws=0), r"draws must be >= 1. Received: draws=0"),
     (lambda: EvaluationConfig(rows=0), r"rows must be >= 1. Received: rows=0"),

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -191,6 +192,27 @@ def test_layerwise_pipeline_sample_and_evaluate(tmp_path, mnist_dir, monkeypatch
     np.testing.assert_allclose(batched(reading.decode_upper, upper),
                                batched(reading.decode_lower, batched(reading.decoder, with_lengths)),
                                rtol=1e-5, atol=1e-6)
+
+    # --decoder-rule delta: the same (upper, lower) pairs go to the delta-rule trainer.
+    from trainers.cd import ClampedDecoderTrainer
+
+    monkeypatch.setattr(layerwise, "_fit",
+                        lambda trainer, x, *args, y=None, **kwargs: seen.update(trainer=trainer, x=x, y=y))
+    layerwise.train_stage("decoder", dataclasses.replace(config, decoder_rule="delta"), RunDir(run), train, test)
+    assert isinstance(seen["trainer"], ClampedDecoderTrainer) and seen["trainer"].rule == "delta"
+    np.testing.assert_allclose(seen["y"], lower, rtol=1e-5, atol=1e-6)
+
+    # The decoder stage refuses a run without the encoder, or without the mean
+    # code the encoder's capsules were centred with.
+    from poecaps.errors import InputError
+
+    os.rename(os.path.join(run, "models", "code_mean.npy"), str(tmp_path / "code_mean.npy"))
+    with pytest.raises(InputError, match="no code_mean.npy"):
+        layerwise.train_stage("decoder", config, RunDir(run), train, test)
+    bare = RunDir(str(tmp_path / "bare"))
+    shutil.copy(os.path.join(run, "models", "autoencoder.npz"), bare.models)
+    with pytest.raises(InputError, match="No trained encoder"):
+        layerwise.train_stage("decoder", config, bare, train, test)
 
 
 def _check_sampler_draws(run, figures, err):

@@ -15,6 +15,7 @@ from poecaps.routing import DynamicRouting
 from trainers.autoencoder import AutoencoderTrainer
 from trainers.cd import (
     CDTrainer,
+    ClampedDecoderTrainer,
     FreeEnergyGap,
     OffCapsulesWarning,
     cd_step,
@@ -72,6 +73,68 @@ def test_clamped_decoder_rule_matches_section_4_1(rng):
     expected = 2 * (np.einsum("bji,bio,bje->jioe", e, f(z_data), upper)
                     - np.einsum("bji,bio,bje->jioe", e, f(z_neg), x_neg)) / 3
     np.testing.assert_allclose(ops.convert_to_numpy(grads[0]), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("iterations", [0, 1, 3])
+def test_delta_rule_equals_minus_autodiff_of_code_error(rng, iterations):
+    """dU = -grad_U mean_b sum_i |unsquash(lower_i) - sum_j e_ji U_ji x_j|^2 with e held fixed."""
+    upper, lower = _capsules(rng, 3, 2, 4), _capsules(rng, 3, 5, 3)
+    decoder = CapsuleExperts(5, 3, routing=DynamicRouting(iterations, "cosine", "children"),
+                             kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=2))
+    decoder.build((None, 2, 4))
+    grads, negatives, stats = decoder.clamped_gradients(upper, lower, "delta")
+    e = tf.constant(ops.convert_to_numpy(decoder.coefficients(upper)), tf.float64)
+    u = tf.Variable(ops.convert_to_numpy(decoder.kernel).astype("float64"))
+    target = tf.constant(ops.convert_to_numpy(unsquash(lower.astype("float64"))))
+    with tf.GradientTape() as tape:
+        predicted = tf.einsum("bji,jioe,bje->bio", e, u, upper.astype("float64"))
+        errors = tf.reduce_sum(tf.square(target - predicted), axis=(1, 2))
+        loss = tf.reduce_mean(errors)
+    np.testing.assert_allclose(ops.convert_to_numpy(grads[0]), -tape.gradient(loss, u).numpy(),
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(ops.convert_to_numpy(stats["code_error"]), errors.numpy() / (5 * 3), rtol=1e-4)
+    np.testing.assert_array_equal(ops.convert_to_numpy(negatives), upper)
+
+
+def test_section41_rule_matches_the_printed_equation(rng):
+    """z~ = sum_j e U x (the data's x), x~ = squash(sum_i e U^T z~); dU = 2 e (f(z) x^T - f(z~) x~^T)."""
+    upper, lower = _capsules(rng, 3, 2, 4), _capsules(rng, 3, 5, 3)
+    decoder = _experts(2, 4, 5, 3, normalize="children")
+    grads, _, stats = decoder.clamped_gradients(upper, lower, "section41")
+    e = ops.convert_to_numpy(decoder.coefficients(upper)).astype("float64")
+    u = ops.convert_to_numpy(decoder.kernel).astype("float64")
+    x = upper.astype("float64")
+    z_data = ops.convert_to_numpy(unsquash(lower.astype("float64")))
+    z_model = np.einsum("bji,jioe,bje->bio", e, u, x)
+    pre = np.einsum("bji,jioe,bio->bje", e, u, z_model)
+    x_model = pre * (np.sum(pre * pre, -1, keepdims=True) / (1 + np.sum(pre * pre, -1, keepdims=True))
+                     / np.sqrt(np.sum(pre * pre, -1, keepdims=True)))
+    f = lambda z: z / (1 + np.sum(z * z, -1, keepdims=True))
+    expected = 2 * (np.einsum("bji,bio,bje->jioe", e, f(z_data), x)
+                    - np.einsum("bji,bio,bje->jioe", e, f(z_model), x_model)) / 3
+    np.testing.assert_allclose(ops.convert_to_numpy(grads[0]), expected, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(ops.convert_to_numpy(stats["code_error"]),
+                               np.mean((z_data - z_model) ** 2, axis=(1, 2)), rtol=1e-4)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        decoder.clamped_gradients(upper, lower, "clamped")
+
+
+def test_delta_rule_trainer_fits_a_teacher_decoder(rng):
+    """(upper, lower) pairs from a random decoder: the delta rule drives code_error down."""
+    upper = _capsules(rng, 64, 3, 4)
+    teacher = _experts(3, 4, 5, 2, normalize="children", seed=7)
+    lower = ops.convert_to_numpy(teacher(upper))
+    student = _experts(3, 4, 5, 2, normalize="children", seed=1)
+    trainer = ClampedDecoderTrainer(student, "delta", l2=0.0, heldout=upper[:8])
+    trainer.compile(optimizer=default_optimizer(0.5, 100))
+    history = trainer.fit(upper, lower, epochs=20, batch_size=16, verbose=0)
+    errors = history.history["code_error"]
+    assert set(history.history) >= {"code_error", "p_on", "free_energy"}
+    assert errors[-1] < 0.2 * errors[0]
+    with pytest.raises(InputError, match="fit on \\(upper, lower\\) pairs"):
+        trainer.fit(upper, epochs=1, batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        ClampedDecoderTrainer(student, "clamped")
 
 
 def test_rbm_cd_gradient_equals_autodiff(rng):
@@ -258,6 +321,13 @@ def test_layerwise_config_sets_both_sparsity_costs(rng, cost, population_cost, e
     trainer = _cd_trainer(_experts(4, 2, 2, 3), config, 10, _capsules(rng, 2, 4, 2), 0.1, 0.0,
                           config.sparsity_cost, config.population_sparsity_cost)
     assert trainer.sparsity == expected
+
+
+def test_decoder_rule_delta_gets_the_delta_rule_trainer(rng):
+    config = LayerwiseConfig(decoder_rule="delta", jit_cd=False)
+    trainer = _cd_trainer(_experts(4, 2, 2, 3, normalize="children"), config, 10, _capsules(rng, 2, 4, 2),
+                          0.1, 0.0, clamped_rule="delta")
+    assert isinstance(trainer, ClampedDecoderTrainer) and trainer.rule == "delta" and trainer.sparsity is None
 
 
 def test_sparsity_arguments_are_checked(rng):

@@ -8,7 +8,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.experts import check_sparsity
+from poecaps.experts import CLAMPED_RULES, check_sparsity
 from poecaps.guard import ScaledSchedule
 from poecaps.validation import check_array
 from trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
@@ -197,6 +197,54 @@ class CDTrainer(keras.Model):
         x = self._visible(data)
         _, _, stats = self.energy_model.cd_gradients(x, steps=1)
         return self._update_metrics(x, stats)
+
+
+class ClampedDecoderTrainer(CDTrainer):
+    """Trains a capsule decoder's U on (upper, lower) pairs by a clamped rule (`CapsuleExperts`).
+
+    `rule="section41"`: Hauser section 4.1's update as printed,
+    `dU_ji = 2 e_ji (z_i x_j^T / (1 + |z_i|^2) - z~_i x~_j^T / (1 + |z~_i|^2))`
+    with `z_i = unsquash(lower_i)`, `z~_i = sum_j e_ji U_ji x_j` and
+    `x~_j = squash(sum_i e_ji U_ji^T z~_i)`. `rule="delta"` (not in the
+    paper): the wake-sleep algorithm's delta rule for generative weights
+    (Hinton, Dayan, Frey and Neal 1995), `dU_ji = 2 e_ji (z_i - z~_i) x_j^T`.
+    Either with L2 weight decay, through the compiled Keras optimizer
+    (`CapsuleExperts.clamped_gradients`). `CDTrainer` with `(upper, lower)`
+    pairs runs the third clamped rule, Algorithm 1's mixing in the negative
+    phase. Metrics per epoch: `code_error` (mean squared error of the
+    decoded pre-activations `z~` against the data's), `p_on` and
+    `free_energy` as for `CDTrainer`.
+
+    Args: `rule`, then `model`, `preprocess`, `l2`, `heldout`, `seed` and
+    `shards` as for `CDTrainer` (these rules draw no samples, so CD's steps,
+    chains and sparsity do not apply).
+    """
+
+    def __init__(self, model, rule="section41", preprocess=None, l2=1e-4, heldout=None, seed=None, shards=1,
+                 **kwargs):
+        if rule not in CLAMPED_RULES:
+            raise ValueError(f"rule must be one of {CLAMPED_RULES}. Received: rule={rule!r}")
+        super().__init__(model, preprocess, l2=l2, heldout=heldout, seed=seed, shards=shards, **kwargs)
+        self.rule = rule
+        self.trackers = {name: keras.metrics.Mean(name=name) for name in ("code_error", "p_on", "free_energy")}
+
+    def _one_shard(self, x, chain, hidden):
+        if hidden is None:
+            raise InputError("A clamped decoder rule needs the lower capsules; fit on (upper, lower) pairs.")
+        ascent, negatives, stats = self.energy_model.clamped_gradients(x, hidden, self.rule)
+        grads = [-g + self.l2 * w for g, w in zip(ascent, self.energy_model.trainable_weights)]
+        return grads, negatives, stats
+
+    def _update_metrics(self, x, stats):
+        for name in self.trackers:
+            self.trackers[name].update_state(ops.mean(stats[name]))
+        return {name: tracker.result() for name, tracker in self.trackers.items()}
+
+    def test_step(self, data):
+        if not isinstance(data, (tuple, list)) or len(data) < 2:
+            raise InputError("A clamped decoder rule needs the lower capsules; evaluate on (upper, lower) pairs.")
+        _, _, stats = self.energy_model.clamped_gradients(self._visible(data), data[1], self.rule)
+        return self._update_metrics(None, stats)
 
 
 class FreeEnergyGap(keras.callbacks.Callback):

@@ -20,7 +20,7 @@ from poecaps.capsules import with_length
 from poecaps.configs import STAGES, LayerwiseConfig
 from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
-from poecaps.experts import CapsuleExperts
+from poecaps.experts import CLAMPED_RULES, CapsuleExperts
 from poecaps.layers import ConvAutoencoder
 from poecaps.rbm import BernoulliRBM
 from poecaps.resumable import fit_resumable
@@ -28,7 +28,13 @@ from poecaps.routing import DynamicRouting
 from poecaps.runs import CapsulePipeline, RunDir, batched, build_layer, load_layer, save_layer
 from poecaps.validation import check_images
 from trainers.autoencoder import AutoencoderTrainer
-from trainers.cd import CDTrainer, FreeEnergyGap, OffCapsulesWarning, default_optimizer
+from trainers.cd import (
+    CDTrainer,
+    ClampedDecoderTrainer,
+    FreeEnergyGap,
+    OffCapsulesWarning,
+    default_optimizer,
+)
 from trainers.shards import default_shards
 
 # Settings that fix the data or a component's shape: a resumed run must keep them.
@@ -112,19 +118,32 @@ def stage_l2(config, stage):
 
 
 def _cd_trainer(model, config, steps_per_epoch, heldout, learning_rate, l2, sparsity_cost=0.0,
-                population_sparsity_cost=0.0):
+                population_sparsity_cost=0.0, clamped_rule=None):
     shards = 1
     if config.jit_cd:
         shards = default_shards() if config.cd_shards is None else config.cd_shards
-    trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
-                        chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
-                        l2=l2, heldout=heldout, seed=config.seed,
-                        sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost, shards=shards,
-                        population_sparsity_cost=population_sparsity_cost)
+    if clamped_rule is not None:
+        trainer = ClampedDecoderTrainer(model, clamped_rule, l2=l2, heldout=heldout, seed=config.seed, shards=shards)
+    else:
+        trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
+                            chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
+                            l2=l2, heldout=heldout, seed=config.seed,
+                            sparsity_target=config.sparsity_target, sparsity_cost=sparsity_cost, shards=shards,
+                            population_sparsity_cost=population_sparsity_cost)
     trainer.compile(optimizer=default_optimizer(learning_rate, steps_per_epoch, config.decay_rate,
                                                 config.momentum),
                     jit_compile=config.jit_cd)
     return trainer
+
+
+def _check_encoder_stage(pipeline, config, run):
+    """The decoder stage needs the trained encoder and the mean code it was trained with."""
+    if pipeline.encoder is None:
+        raise InputError(f"No trained encoder in {run.models}; run the 'encoder' stage first.")
+    if config.center_code and pipeline.code_mean is None:
+        raise InputError(f"center_code is on, but {run.models} has no code_mean.npy, the mean code the "
+                         "encoder's capsules were centred with; run the 'encoder' stage again (or pass "
+                         "--center-code false if the encoder was trained on uncentred capsules).")
 
 
 def train_stage(stage, config, run, train, test, resume=False):
@@ -143,6 +162,8 @@ def train_stage(stage, config, run, train, test, resume=False):
         figures.filters(keras.ops.convert_to_numpy(ae.kernel1), run.file("filters.png"))
         return
     pipeline = CapsulePipeline.load(run.models, config.capsule_dim)
+    if stage == "decoder":
+        _check_encoder_stage(pipeline, config, run)
     print("Computing lower capsules of the training images ...", flush=True)
     codes = batched(pipeline.autoencoder.encode, images)
     if stage == "encoder":
@@ -192,8 +213,9 @@ def train_stage(stage, config, run, train, test, resume=False):
         if config.decoder_length:
             inputs, heldout_upper = (keras.ops.convert_to_numpy(with_length(v)) for v in (inputs, heldout_upper))
         trainer = _cd_trainer(decoder, config, steps, heldout_upper, config.decoder_learning_rate,
-                              stage_l2(config, stage))
-        targets = lower if config.decoder_rule == "clamped" else None
+                              stage_l2(config, stage),
+                              clamped_rule=config.decoder_rule if config.decoder_rule in CLAMPED_RULES else None)
+        targets = None if config.decoder_rule == "mirror" else lower
         _fit(trainer, inputs, config, run, stage, config.decoder_epochs, resume, y=targets)
         save_layer(decoder, os.path.join(run.models, "decoder.npz"))
         np.save(os.path.join(run.models, "mean_directions.npy"), directions.astype("float32"))
