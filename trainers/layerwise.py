@@ -1,8 +1,9 @@
 """Layer-wise training of the products of expert capsules (Hauser Figure 1).
 
 Stages, in order: the conv autoencoder front end (backprop), the capsule
-encoder W (CD, Algorithm 1), the capsule decoder U (mirror-image CD,
-section 4.1), and the Bernoulli RBM baseline on the same data and budget.
+encoder W (CD, Algorithm 1), the capsule decoder U (section 4.1, with the
+rule `--decoder-rule` names: `CapsuleExperts`), and the Bernoulli RBM
+baseline on the same data and budget.
 """
 
 import dataclasses
