@@ -176,10 +176,7 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
             _, wt = energy.kernel_views(self.kernel)
             x_neg = squash(energy.reconstruct_j(zj, wt, cj, x.shape[-1]))
             grad = energy.cd_gradient_j(x, target, cj, x_neg, zj, cj)
-        sq = ops.transpose(ops.sum(ops.square(zj), axis=-1))
-        code_error = ops.mean(ops.square(target - zj), axis=(0, 2))
-        stats = {"free_energy": -ops.sum(ops.log1p(sq), axis=-1), "p_on": sq / (1.0 + sq),
-                 "code_error": code_error}
+        stats = {**_hidden_stats(zj), "code_error": ops.mean(ops.square(target - zj), axis=(0, 2))}
         return [grad], x, stats
 
     def _cd_gradients(self, x, steps, chain, hidden=None, sparsity=None):
@@ -200,7 +197,10 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
             negatives, zj_neg = energy.mix_j(chain, wr, wt, cj_neg, steps, zj=zj_chain)
         grad = energy.cd_gradient_j(x, zj if hidden is None else zj_data, cj, negatives, zj_neg, cj_neg,
                                     sparsity=sparsity)
-        sq = ops.transpose(ops.sum(ops.square(zj), axis=-1))
-        stats = {"free_energy": -ops.sum(ops.log1p(sq), axis=-1), "p_on": sq / (1.0 + sq),
-                 "reconstruction": reconstruction}
-        return [grad], negatives, stats
+        return [grad], negatives, {**_hidden_stats(zj), "reconstruction": reconstruction}
+
+
+def _hidden_stats(zj):
+    """`free_energy [B]` (eq. 10) and `p_on [B, J]` (eq. 12) from the data's pre-activations `[J, B, D]`."""
+    sq = ops.transpose(ops.sum(ops.square(zj), axis=-1))
+    return {"free_energy": -ops.sum(ops.log1p(sq), axis=-1), "p_on": sq / (1.0 + sq)}

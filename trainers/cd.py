@@ -24,8 +24,12 @@ def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
     """
     ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, hidden=hidden,
                                                   sparsity=sparsity)
-    grads = [-g + l2 * w for g, w in zip(ascent, model.trainable_weights)]
-    return grads, negatives, stats
+    return descent(ascent, model.trainable_weights, l2), negatives, stats
+
+
+def descent(ascent, weights, l2):
+    """Descent directions for a Keras optimizer: `-dW + l2 W` for each ascent direction dW."""
+    return [-g + l2 * w for g, w in zip(ascent, weights)]
 
 
 def sharded_cd_step(step, x, shards, chain=None, hidden=None):
@@ -199,6 +203,9 @@ class CDTrainer(keras.Model):
         return self._update_metrics(x, stats)
 
 
+_NEEDS_PAIRS = "A clamped decoder rule needs the lower capsules;"
+
+
 class ClampedDecoderTrainer(CDTrainer):
     """Trains a capsule decoder's U on (upper, lower) pairs by a clamped rule (`CapsuleExperts`).
 
@@ -230,10 +237,9 @@ class ClampedDecoderTrainer(CDTrainer):
 
     def _one_shard(self, x, chain, hidden):
         if hidden is None:
-            raise InputError("A clamped decoder rule needs the lower capsules; fit on (upper, lower) pairs.")
+            raise InputError(f"{_NEEDS_PAIRS} fit on (upper, lower) pairs.")
         ascent, negatives, stats = self.energy_model.clamped_gradients(x, hidden, self.rule)
-        grads = [-g + self.l2 * w for g, w in zip(ascent, self.energy_model.trainable_weights)]
-        return grads, negatives, stats
+        return descent(ascent, self.energy_model.trainable_weights, self.l2), negatives, stats
 
     def _update_metrics(self, x, stats):
         for name in self.trackers:
@@ -242,7 +248,7 @@ class ClampedDecoderTrainer(CDTrainer):
 
     def test_step(self, data):
         if not isinstance(data, (tuple, list)) or len(data) < 2:
-            raise InputError("A clamped decoder rule needs the lower capsules; evaluate on (upper, lower) pairs.")
+            raise InputError(f"{_NEEDS_PAIRS} evaluate on (upper, lower) pairs.")
         _, _, stats = self.energy_model.clamped_gradients(self._visible(data), data[1], self.rule)
         return self._update_metrics(None, stats)
 
