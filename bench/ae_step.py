@@ -9,17 +9,13 @@ convolutions / dense-matmul FLOP/s measured in the same run.
 """
 
 import argparse
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras
 import numpy as np
 from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 
 from poecaps.layers import ConvAutoencoder
-from trainers.autoencoder import AutoencoderTrainer
+from poecaps.trainers.autoencoder import AutoencoderTrainer
 
 
 def reference_model(shape, filters=128, kernel=9):

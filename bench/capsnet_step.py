@@ -11,10 +11,6 @@ decoder, forward and backward) / dense-matmul FLOP/s measured in the same run.
 """
 
 import argparse
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras
 import numpy as np
@@ -23,7 +19,8 @@ from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 
 from poecaps import distribute, losses
 from poecaps.capsules import squash
-from trainers.supervised import CapsNet
+from poecaps.models import CapsNet
+from poecaps.trainers.supervised import SupervisedTrainer
 
 
 class TiledReference(keras.Model):
@@ -87,7 +84,7 @@ def main():
     matmul = dense_matmul_flops_per_s()
     flops = capsnet_flops(args.batch)
     with distribute.precision_policy(args.precision):
-        model = CapsNet((28, 28, 1), 10, routing_iterations=2, seed=args.seed)
+        model = SupervisedTrainer(CapsNet((28, 28, 1), 10, routing_iterations=3, seed=args.seed))
         model.compile(optimizer=keras.optimizers.Adam(1e-3))
     model.optimizer.build(model.trainable_variables)
     step = tf.function(lambda x, y: model.train_step((x, y)), jit_compile=args.xla)

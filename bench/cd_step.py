@@ -1,6 +1,7 @@
 """One encoder CD step (Hauser Algorithm 1): poecaps against a plain reference.
 
-Batch 128, 576 8-D capsules to 20 16-D, 3 iterations of cosine routing. The
+Batch 128, 576 8-D capsules to 20 16-D, 4 rounds of cosine routing (three
+agreement updates, the `default` preset's setting). The
 reference does what the original capsule code does: tiled votes
 `[B, I, J, D_out, D_in]` and per-example outer products for the update.
 poecaps is timed three ways: one TensorFlow graph, one XLA computation, and
@@ -12,10 +13,6 @@ algorithm's contractions) / dense-matmul FLOP/s measured in the same run.
 """
 
 import argparse
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras
 import tensorflow as tf
@@ -24,10 +21,10 @@ from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
 from poecaps.routing import DynamicRouting
-from trainers.cd import sharded_cd_step
+from poecaps.trainers.cd import sharded_cd_step
 
 
-def reference_cd_step(x, w, iterations):
+def reference_cd_step(x, w, rounds):
     """Algorithm 1 the straightforward way: tile, matmul per pair, outer products per example."""
     b, i, j = x.shape[0], w.shape[0], w.shape[1]
     w_tiled = tf.tile(w[None], [b, 1, 1, 1, 1])                        # [B, I, J, Do, Di]
@@ -35,7 +32,7 @@ def reference_cd_step(x, w, iterations):
     votes = tf.squeeze(tf.matmul(w_tiled, x_tiled), -1)                # [B, I, J, Do]
     logits = tf.zeros((b, i, j))
     unit_votes = votes / tf.norm(votes + 1e-12, axis=-1, keepdims=True)
-    for _ in range(iterations):
+    for _ in range(rounds - 1):       # the last round's agreement update is never used
         c = tf.nn.softmax(logits, axis=2)
         v = squash(tf.reduce_sum(c[..., None] * votes, axis=1))
         v_unit = v / tf.norm(v + 1e-12, axis=-1, keepdims=True)
@@ -55,18 +52,18 @@ def reference_cd_step(x, w, iterations):
     return tf.reduce_mean(stat(z, x) - stat(z_neg, x_neg), axis=0)
 
 
-def algorithm_flops(batch, num_in, num_out, d_in, d_out, iterations):
+def algorithm_flops(batch, num_in, num_out, d_in, d_out, rounds):
     """FLOPs of the contractions Algorithm 1 needs with cosine routing (see energy.py)."""
     unit = 2 * batch * num_in * num_out * d_in * d_out
-    # routing: (R + 1) weighted sums, R agreements, vote norms (Gram: d_in/d_out of a unit);
+    # routing: R weighted sums, R - 1 agreements, vote norms (Gram: d_in/d_out of a unit);
     # CD: reconstruction, negative pre-activation, and the two-phase update (2 units).
-    return unit * ((iterations + 1) + iterations + d_in / d_out + 1 + 1 + 2)
+    return unit * (rounds + (rounds - 1) + d_in / d_out + 1 + 1 + 2)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="routing rounds (Sabour's r)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shards", type=int, default=2, help="parts of the batch in the sharded timing")
@@ -75,11 +72,11 @@ def main():
     keras.utils.set_random_seed(args.seed)
     b, i, j, d_in, d_out = args.batch, 576, 20, 8, 16
     x = squash(tf.random.normal((b, i, d_in)))
-    experts = CapsuleExperts(j, d_out, routing=DynamicRouting(args.iterations, "cosine"))
+    experts = CapsuleExperts(j, d_out, routing=DynamicRouting(args.rounds, "cosine"))
     experts.build((None, i, d_in))
     matmul = dense_matmul_flops_per_s()
-    flops = algorithm_flops(b, i, j, d_in, d_out, args.iterations)
-    one_shard = tf.function(lambda x, chain, hidden: experts.cd_gradients(x), jit_compile=True)
+    flops = algorithm_flops(b, i, j, d_in, d_out, args.rounds)
+    one_shard = tf.function(lambda x, chain, targets: experts.cd_gradients(x), jit_compile=True)
     steps = {
         "graph": tf.function(lambda x: experts.cd_gradients(x)[0][0]),
         "XLA": tf.function(lambda x: experts.cd_gradients(x)[0][0], jit_compile=True),
@@ -95,7 +92,7 @@ def main():
     if args.skip_reference:
         reference = float("nan")
     else:
-        ref = tf.function(lambda x: reference_cd_step(x, experts.kernel, args.iterations))
+        ref = tf.function(lambda x: reference_cd_step(x, experts.kernel, args.rounds))
         reference = best_seconds(lambda: ref(x).numpy(), warmup=1, repeats=2)
         print(f"reference (tiled, no XLA): {reference * 1e3:7.1f} ms/step  {b / reference:7.0f} images/s")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step; "

@@ -10,7 +10,7 @@ moment contractions (`EMRouting(implementation="moments")`) and the
 convolutional capsule layers in chunks of 1024 lower capsules
 (`--chunk-capsules 0` routes the whole batch at once), as one graph, as
 one XLA computation, and as `--shards` concurrent XLA computations on
-consecutive parts of the batch (`MatrixCapsNet(shards=...)`, 2 on a CPU);
+consecutive parts of the batch (`SupervisedTrainer(shards=...)`, 2 on a CPU);
 the RESULT line is the fastest of the three, named on the line before it.
 Last line: RESULT images_per_s=<n> vs_reference=<ratio> matmul_fraction=<f>, with
 matmul_fraction = achieved FLOP/s (convolutions, votes and EM's weighted
@@ -19,10 +19,6 @@ sums, forward x 3) / dense-matmul FLOP/s measured in the same run.
 
 import argparse
 import math
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras
 import numpy as np
@@ -31,8 +27,9 @@ from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 
 from poecaps import losses
 from poecaps.layers.conv_capsules import capsule_patches
-from trainers.shards import default_shards
-from trainers.supervised import CHUNK_CAPSULES, MatrixCapsNet
+from poecaps.models.matrix_capsnet import CHUNK_CAPSULES, MatrixCapsNet
+from poecaps.trainers.shards import default_shards
+from poecaps.trainers.supervised import SupervisedTrainer
 
 SIZES = {"small": (64, 8, 16, 16), "paper": (32, 32, 32, 32)}
 
@@ -135,8 +132,8 @@ def main():
     variants = [(False, 1), (True, 1)] + ([(True, args.shards)] if args.shards > 1 else [])
     for jit, shards in variants:
         keras.utils.set_random_seed(args.seed)      # the same weights in every variant
-        model = MatrixCapsNet((28, 28, 1), 10, a=a, b=b, c=c, d=d, seed=args.seed,
-                              chunk_capsules=args.chunk_capsules or None, shards=shards)
+        model = SupervisedTrainer(MatrixCapsNet((28, 28, 1), 10, a=a, b=b, c=c, d=d,
+                                                chunk_capsules=args.chunk_capsules or None), shards=shards)
         model.compile(optimizer=keras.optimizers.Adam(1e-3))
         model.optimizer.build(model.trainable_variables)
         # With shards, each shard is its own XLA computation inside a plain graph step.

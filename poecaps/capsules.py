@@ -1,4 +1,4 @@
-"""Capsule primitives: squash, unsquash, safe_norm (Hauser eq. 4 and 6).
+"""Capsule primitives: squash, unsquash, norms (Hauser eq. 4 and 6).
 
 All functions are pure and work on any leading shape; `axis` is the capsule
 (pose) axis.
@@ -14,33 +14,51 @@ def safe_norm(x, axis=-1, keepdims=False, epsilon=EPSILON):
     return ops.sqrt(ops.sum(ops.square(x), axis=axis, keepdims=keepdims) + epsilon)
 
 
-def squash(z, axis=-1, epsilon=EPSILON):
+def norm(x, axis=-1, keepdims=False):
+    """Euclidean norm `|x|`, exact, with the gradient 0 at `x = 0` (where sqrt's is infinite)."""
+    sq = ops.sum(ops.square(x), axis=axis, keepdims=keepdims)
+    positive = sq > 0
+    return ops.where(positive, ops.sqrt(ops.where(positive, sq, 1.0)), 0.0)
+
+
+def squash(z, axis=-1):
     """Squash a capsule (Hauser eq. 4, Sabour eq. 1).
 
-    squash(z) = |z|^2 / (1 + |z|^2) * z / |z|
+    squash(z) = |z|^2 / (1 + |z|^2) * z / |z| = z |z| / (1 + |z|^2)
 
-    The length of the result is `P(capsule on)` (Hauser eq. 5, 12-13).
+    computed in the second form, which needs no epsilon: exact at every
+    length, 0 at 0 with gradient 0. The length of the result is
+    `P(capsule on)` (Hauser eq. 5, 12-13).
     """
     sq = ops.sum(ops.square(z), axis=axis, keepdims=True)
-    return z * (sq / (1.0 + sq)) / ops.sqrt(sq + epsilon)
+    return z * norm(z, axis=axis, keepdims=True) / (1.0 + sq)
 
 
-def unsquash(x, axis=-1, epsilon=EPSILON, max_length=1.0 - 1e-6):
+def unsquash(x, axis=-1, max_length=1.0 - 1e-6):
     """Inverse of `squash` (Hauser eq. 6).
 
     unsquash(x) = sqrt(|x| / (1 - |x|)) * x / |x|
 
-    Lengths at or above 1 are clipped to `max_length` first, so the result is
-    always finite; below the clip `unsquash(squash(z)) == z`.
+    Lengths at or above `max_length` are clipped to it first, so the result
+    is always finite (its length at most `sqrt(max_length / (1 - max_length))`,
+    about 1000). Below the clip `unsquash(squash(z)) == z` up to rounding:
+    for `D` coordinates the relative error is at most about
+    `4 u (1 + |z|^2) + 8 u + 2 D tiny / |z|^4`, with the dtype's unit
+    roundoff `u` (`1 - |x| = 1 / (1 + |z|^2)` is computed from `|x|`) and
+    smallest normal number `tiny` (squares of the coordinates of `squash(z)`,
+    of length `|z|^2`, that flush to zero): in float32 below 1e-6 for
+    `1e-7 <= |z| <= 1`, 2.4e-3 at `|z| = 100`. Unsquash of 0 is 0.
     """
-    norm = safe_norm(x, axis=axis, keepdims=True, epsilon=epsilon * epsilon)
-    clipped = ops.minimum(norm, max_length)
-    return x / norm * ops.sqrt(clipped / (1.0 - clipped))
+    length_ = norm(x, axis=axis, keepdims=True)
+    clipped = ops.minimum(length_, max_length)
+    positive = length_ > 0
+    direction = ops.where(positive, x / ops.where(positive, length_, 1.0), 0.0)
+    return direction * ops.sqrt(clipped / (1.0 - clipped))
 
 
 def length(x, axis=-1):
-    """Capsule length `|x|` (without epsilon), the probability a capsule is on."""
-    return ops.sqrt(ops.maximum(ops.sum(ops.square(x), axis=axis), 0.0))
+    """Capsule length `|x|`, the probability a capsule is on."""
+    return norm(x, axis=axis)
 
 
 def with_length(x, axis=-1):

@@ -15,11 +15,11 @@ the small differences CD is made of).
 
 import contextlib
 
-import keras
-from keras import ops
-
 from poecaps.errors import InputError
-from poecaps.run_options import PRECISIONS, STRATEGIES
+
+# Kept free of TensorFlow at import, so that command lines can check these names at once.
+STRATEGIES = ("default", "mirrored", "multiworker")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 
 def get_strategy(name="default"):
@@ -44,6 +44,8 @@ def check_precision(name):
 @contextlib.contextmanager
 def precision_policy(name="float32"):
     """Set Keras' global dtype policy to `name` inside the block (restored after)."""
+    import keras
+
     check_precision(name)
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(name)
@@ -76,6 +78,7 @@ def per_example_draw(draw, shape, seed):
     two replicas share noise.
     """
     import tensorflow as tf
+    from keras import ops
 
     replicas = num_replicas()
     context = tf.distribute.get_replica_context()

@@ -13,8 +13,8 @@ from poecaps import energy
 from poecaps.capsules import squash, unsquash
 from poecaps.layers.capsule_dense import CapsuleDense
 
-# Decoder rules on (visible, clamped hidden) pairs (`CapsuleExperts.clamped_gradients`).
-CLAMPED_RULES = ("section41", "delta")
+# Rules of the capsule decoder, trained on (upper, lower) pairs (`CapsuleExperts.decoder_gradients`).
+DECODER_RULES = ("section41", "delta")
 
 
 class EnergyModel:
@@ -38,20 +38,13 @@ class EnergyModel:
 
     draws_random_numbers = False
 
-    def cd_gradients(self, x, steps=1, chain=None, hidden=None, sparsity=None):
+    def cd_gradients(self, x, steps=1, chain=None, sparsity=None):
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"CD needs steps >= 1. Received: steps={steps!r}")
         if not self.built:
             self.build(tuple(x.shape))
-        kwargs = {}
-        if hidden is not None:
-            kwargs["hidden"] = hidden
-        if sparsity is not None:
-            if hidden is not None:
-                raise ValueError("A sparsity target applies to inferred hidden units, not to clamped "
-                                 "ones; pass hidden=None or sparsity=None.")
-            kwargs["sparsity"] = check_sparsity(sparsity)
-        return self._cd_gradients(x, steps, chain, **kwargs)
+        sparsity = None if sparsity is None else check_sparsity(sparsity)
+        return self._cd_gradients(x, steps, chain, sparsity=sparsity)
 
 
 def check_sparsity(sparsity):
@@ -89,38 +82,22 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
     roles swapped, as the capsule decoder (20 x 16-D visible, 576 x 8-D
     hidden; Hauser section 4.1), whose `call` routes upper capsules down.
 
-    Decoder rules. Section 4.1 trains U with "the data z_i and x_j fixed by
-    the W's": the positive phase clamps the hidden (lower) capsules to the
-    data's own pre-activations, `z_i = unsquash(x_i)`, instead of inferring
-    them. Three rules share that positive phase:
+    The decoder is trained on (upper, lower) pairs by `decoder_gradients`,
+    with the data's hidden pre-activations `z_i = unsquash(lower_i)` in the
+    positive phase ("the data z_i and x_j fixed by the W's"):
 
-        dU_ji = 2 e_ji ( z_i x_j^T / (1 + |z_i|^2) - z~_i x~_j^T / (1 + |z~_i|^2) )
-
-    - `cd_gradients(x, hidden=lower)`: the negative phase mixed as in
-      Algorithm 1, `x~ = squash(sum_i e_ji U_ji^T squash(z^_i))`,
-      `z~_i = sum_j e_ji U_ji x~_j` with `z^_i = sum_j e_ji U_ji x_j`
-      (poecaps' reading until 2026-11-25, `decoder_rule="clamped"`);
-    - `clamped_gradients(x, lower, "section41")`: the rule as section 4.1
-      prints it, `z~_i = sum_j e_ji U_ji x_j` from the data's `x_j` and
-      `x~_j = squash(sum_i e_ji U_ji^T z~_i)`, with no squash in between;
-    - `clamped_gradients(x, lower, "delta")` (not in the paper): the
-      generative weights' delta rule of the wake-sleep algorithm (Hinton,
-      Dayan, Frey and Neal 1995), which regresses the decoded
-      pre-activations onto the data's,
-      `dU_ji = 2 e_ji ( z_i - z~_i ) x_j^T` with `z~_i = sum_j e_ji U_ji x_j`,
-      minus the gradient of `sum_i |z_i - z~_i|^2` with `e` held fixed.
-
-    On Fashion-MNIST a decoder trained by the first rule on one-capsule
-    codes returns lower capsules about a third as long as the data's, so a
-    capsule alone decodes to little more than the mean image; the other two
-    pair the data's `z_i` with the model's prediction from the same `x_j`.
-    Without `hidden` the rule is the mirror image of eq. 18,
-    `-grad_U [F(x) - F(x~)]`, which models the upper capsules but never ties
-    the decoder's hidden units to the front end's code (so its samples do
-    not decode to images).
+    - `rule="section41"`, the rule as section 4.1 prints it,
+      `dU_ji = 2 e_ji ( z_i x_j^T / (1 + |z_i|^2) - z~_i x~_j^T / (1 + |z~_i|^2) )`
+      with `z~_i = sum_j e_ji U_ji x_j` from the data's `x_j` and
+      `x~_j = squash(sum_i e_ji U_ji^T z~_i)`;
+    - `rule="delta"` (not in the paper), the generative weights' delta rule
+      of the wake-sleep algorithm (Hinton, Dayan, Frey and Neal 1995),
+      `dU_ji = 2 e_ji ( z_i - z~_i ) x_j^T`: minus the gradient of
+      `sum_i |z_i - z~_i|^2` with `e` held fixed, which regresses the
+      decoded pre-activations onto the data's.
 
     Args: as `CapsuleDense`; the routing defaults to Hauser's cosine
-    agreement with 3 iterations.
+    agreement with 3 rounds.
     """
 
     def __init__(self, num_capsules, capsule_dim, routing=None, **kwargs):
@@ -157,19 +134,19 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
         cj = energy.to_j_major(self.coefficients(x))
         return cj, energy.routed_sum_j(x, energy.kernel_views(self.kernel)[0], cj)
 
-    def clamped_gradients(self, x, hidden, rule):
-        """A decoder rule on (visible, clamped hidden) pairs, `rule` "section41" or "delta": `(grads, x, stats)`.
+    def decoder_gradients(self, x, lower, rule):
+        """A decoder rule on (upper `x`, `lower`) pairs, "section41" or "delta": `(grads, x, stats)`.
 
         The rules are in the class docstring. `stats` holds `free_energy [B]`,
         `p_on [B, J]` and `code_error [B]`, each example's mean squared error
-        of the predicted pre-activations `z~` against `unsquash(hidden)`.
+        of the predicted pre-activations `z~` against `unsquash(lower)`.
         """
-        if rule not in CLAMPED_RULES:
-            raise ValueError(f"rule must be one of {CLAMPED_RULES}. Received: rule={rule!r}")
+        if rule not in DECODER_RULES:
+            raise ValueError(f"rule must be one of {DECODER_RULES}. Received: rule={rule!r}")
         if not self.built:
             self.build(tuple(x.shape))
         cj, zj = self._route_j(x)
-        target = ops.transpose(unsquash(hidden), (1, 0, 2))
+        target = ops.transpose(unsquash(lower), (1, 0, 2))
         if rule == "delta":
             grad = energy.delta_gradient_j(x, zj, cj, target)
         else:
@@ -179,13 +156,9 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
         stats = {**_hidden_stats(zj), "code_error": ops.mean(ops.square(target - zj), axis=(0, 2))}
         return [grad], x, stats
 
-    def _cd_gradients(self, x, steps, chain, hidden=None, sparsity=None):
+    def _cd_gradients(self, x, steps, chain, sparsity=None):
         wr, wt = energy.kernel_views(self.kernel)
         cj, zj = self._route_j(x)
-        if hidden is not None:
-            # Clamped hidden layer (Hauser section 4.1): the positive phase pairs
-            # the visible data with the hidden units' own data pre-activations.
-            zj_data = ops.transpose(unsquash(hidden), (1, 0, 2))
         reconstruction, zj_rec = energy.mix_j(x, wr, wt, cj, 1, zj=zj)
         if chain is None and steps == 1:
             negatives, cj_neg, zj_neg = reconstruction, cj, zj_rec
@@ -195,8 +168,7 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
         else:
             cj_neg, zj_chain = self._route_j(chain)
             negatives, zj_neg = energy.mix_j(chain, wr, wt, cj_neg, steps, zj=zj_chain)
-        grad = energy.cd_gradient_j(x, zj if hidden is None else zj_data, cj, negatives, zj_neg, cj_neg,
-                                    sparsity=sparsity)
+        grad = energy.cd_gradient_j(x, zj, cj, negatives, zj_neg, cj_neg, sparsity=sparsity)
         return [grad], negatives, {**_hidden_stats(zj), "reconstruction": reconstruction}
 
 

@@ -82,6 +82,20 @@ def specialisation(predicted, classes):
             "classes_covered": len(set(majority))}
 
 
+def mean_directions(upper):
+    """Each capsule's mean direction over the examples, `[J, D]` unit vectors.
+
+    The mean of the unit poses `x_j / |x_j|`, normalised: the vector by which
+    the restricted-domain sampler picks the half of a capsule's space that
+    training data visited (Hauser section 4.2).
+    """
+    upper = np.asarray(upper, "float64")
+    if upper.ndim != 3 or len(upper) == 0:
+        raise ValueError(f"mean_directions needs upper capsules [N, J, D], N > 0. Received shape {upper.shape}")
+    directions = np.mean(upper / (np.linalg.norm(upper, axis=-1, keepdims=True) + 1e-12), axis=0)
+    return directions / (np.linalg.norm(directions, axis=-1, keepdims=True) + 1e-12)
+
+
 def pose_second_moments(upper):
     """Each upper capsule's second moment `E[z_j z_j^T]` of its unsquashed pose, `[J, D, D]`.
 

@@ -1,13 +1,13 @@
 """Drawing from trained models; samplers are objects resolvable by name."""
 
-from samplers.capsule import CapsuleSampler
-from samplers.rbm import RBMSampler
+from poecaps.samplers.capsule import CapsuleSampler
+from poecaps.samplers.rbm import RBMSampler
 
 _REGISTRY = {"capsule": CapsuleSampler, "rbm": RBMSampler}
 
 
 def get(name, **kwargs):
-    """`samplers.get("capsule", pipeline=...)` -> a sampler object."""
+    """`poecaps.samplers.get("capsule", pipeline=...)` -> a sampler object."""
     if name not in _REGISTRY:
         raise ValueError(f"Unknown sampler; expected one of {sorted(_REGISTRY)}. Received: name={name!r}")
     return _REGISTRY[name](**kwargs)

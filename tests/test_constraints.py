@@ -6,7 +6,7 @@ from keras import ops
 from poecaps.constraints import IsometricPoses
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import CapsuleDense
-from trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.cd import CDTrainer, default_optimizer
 
 
 def _maps(kernel):

@@ -13,9 +13,10 @@ from keras import ops
 from poecaps import distribute
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
-from poecaps.resumable import fit_resumable
-from trainers.cd import CDTrainer, default_optimizer
-from trainers.supervised import CapsNet, MatrixCapsNet
+from poecaps.models import CapsNet, MatrixCapsNet
+from poecaps.trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.resumable import fit_resumable
+from poecaps.trainers.supervised import SupervisedTrainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "distribute_run.py")
@@ -30,27 +31,33 @@ def _run_worker(kind):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-# Stochastic steps (RBM Gibbs sampling) compare thresholded draws, where 1e-7 differences
-# in probabilities can flip a rare unit; deterministic ones agree to float rounding.
-TOLERANCE = {"cd": 1e-5, "rbm": 1e-4, "autoencoder": 1e-5, "capsnet": 1e-5, "em": 1e-5}
+# What is checked is how replicas combine: a gradient summed instead of averaged over replicas
+# doubles each step, and replicas that share (or misslice) random draws train on other shifts,
+# dropout masks or Gibbs samples; each moves the weights by a difference of the order of their
+# whole movement. Summation order is all that differs otherwise: float32 rounding (1e-7), which
+# the runs' few SGD steps amplify by their sensitivity (largest here, CapsNet's: a few 1e-4 of
+# the movement on this machine). A tolerance of 1e-2 of each weight's movement is far above the
+# rounding on any machine and far below any error of the kind tested.
+TOLERANCE = 1e-2
+TRAINERS = {"cd", "rbm", "autoencoder", "capsnet", "em"}
+
+
+def _check(result, replicas):
+    assert set(result) == TRAINERS
+    for name, figures in result.items():
+        assert figures["replicas"] == replicas, name
+        assert figures["weights_moved"] == figures["weights"], (name, figures)   # training moved every weight
+        assert figures["difference_over_movement"] < TOLERANCE, (name, figures)
 
 
 @pytest.mark.slow
 def test_mirrored_strategy_on_two_devices_matches_one_device():
-    result = _run_worker("mirrored")
-    assert set(result) == set(TOLERANCE)
-    for name, figures in result.items():
-        assert figures["replicas"] == 2, name
-        assert figures["moved"] > 1e-3, name   # training did change the weights
-        assert figures["max_relative_difference"] < TOLERANCE[name], (name, figures)
+    _check(_run_worker("mirrored"), replicas=2)
 
 
 @pytest.mark.slow
 def test_multiworker_strategy_single_worker_matches_one_device():
-    result = _run_worker("multiworker")
-    for name, figures in result.items():
-        assert figures["replicas"] == 1, name
-        assert figures["max_relative_difference"] < TOLERANCE[name], (name, figures)
+    _check(_run_worker("multiworker"), replicas=1)
 
 
 def test_per_example_draw_is_the_plain_draw_on_one_device():
@@ -61,16 +68,16 @@ def test_per_example_draw_is_the_plain_draw_on_one_device():
 
 
 def _tiny_capsnet():
-    model = CapsNet((12, 12, 1), 3, conv_filters=8, primary_types=2, primary_dim=4, class_dim=4,
-                    kernel_size=3, max_shift=1)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3))
-    return model
+    trainer = SupervisedTrainer(CapsNet((12, 12, 1), 3, conv_filters=8, primary_types=2, primary_dim=4,
+                                        class_dim=4, kernel_size=3), max_shift=1)
+    trainer.compile(optimizer=keras.optimizers.Adam(1e-3))
+    return trainer
 
 
 def _tiny_em():
-    model = MatrixCapsNet((28, 28, 1), 3, routing_iterations=2, a=4, b=2, c=2, d=2)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3))
-    return model
+    trainer = SupervisedTrainer(MatrixCapsNet((28, 28, 1), 3, routing_iterations=2, a=4, b=2, c=2, d=2))
+    trainer.compile(optimizer=keras.optimizers.Adam(1e-3))
+    return trainer
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
@@ -79,17 +86,17 @@ def test_mixed_precision_trains_with_float32_routing(rng, policy, make, size):
     images = rng.uniform(size=(8, size, size, 1)).astype("float32")
     labels = rng.integers(0, 3, size=8)
     with distribute.precision_policy(policy):
-        model = make()
-        history = fit_resumable(model, images, labels, epochs=2, batch_size=4, seed=0, verbose=0)
+        trainer = make()
+        history = fit_resumable(trainer, images, labels, epochs=2, batch_size=4, seed=0, verbose=0)
         assert keras.config.dtype_policy().name == policy
     assert keras.config.dtype_policy().name == "float32"   # restored
     assert np.isfinite(history["loss"]).all()
-    assert model.conv1.compute_dtype == policy.split("_")[1]
-    result = model.encode(images)
+    assert trainer.network.conv1.compute_dtype == policy.split("_")[1]
+    result = trainer.network.encode(images)
     assert keras.backend.standardize_dtype(result.activations.dtype) == "float32"
     assert keras.backend.standardize_dtype(result.coefficients.dtype) == "float32"
     if policy == "mixed_float16":
-        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
 
 
 def test_mixed_precision_keeps_energies_and_cd_in_float32(rng):

@@ -1,39 +1,142 @@
-"""Package-level settings that take effect on import."""
+"""The package: layers that import one way, settings taken on import, console scripts."""
 
+import ast
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import pytest
 
-# Allocator statistics exist only for BFC allocators: TensorFlow's default CPU
-# allocator raises "Allocator stats not available".
-PROBE = """
-import tensorflow as tf
-import poecaps
-x = tf.ones((256, 256)) * 2.0
-try:
-    info = tf.config.experimental.get_memory_info("CPU:0")
-    print("BFC", info["peak"] >= 256 * 256 * 4)
-except ValueError:
-    print("DEFAULT")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Checkout folder -> installed package, lowest layer first. A module may import its own layer
+# and the layers listed before it, never one after it.
+LAYERS = [("poecaps", "poecaps"), ("trainers", "poecaps.trainers"), ("samplers", "poecaps.samplers"),
+          ("experiments", "poecaps.experiments")]
+ABOVE_THE_LIBRARY = ("trainers", "samplers", "experiments", "scripts")
+
+
+def _modules(folder, package):
+    """`{module name: path}` of every .py file under the checkout folder of `package`."""
+    found = {}
+    top = os.path.join(ROOT, folder)
+    for directory, _, files in os.walk(top):
+        for name in files:
+            if name.endswith(".py"):
+                parts = os.path.relpath(os.path.join(directory, name), top)[:-3].split(os.sep)
+                parts = parts[:-1] if parts[-1] == "__init__" else parts
+                found[".".join([package, *parts])] = os.path.join(directory, name)
+    return found
+
+
+def _imports(path, module):
+    """Absolute names of the modules `path` imports (relative imports resolved against `module`)."""
+    names = set()
+    with open(path) as handle:
+        tree = ast.parse(handle.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(module.split(".")[:-node.level] + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _layer_of(name):
+    """Index in LAYERS of the layer a module name belongs to (checkout or installed name), or None."""
+    for index in reversed(range(len(LAYERS))):
+        folder, package = LAYERS[index]
+        if name == package or name.startswith(package + ".") or (
+                index and (name == folder or name.startswith(folder + "."))):
+            return index
+    return None
+
+
+def test_every_module_imports_only_its_own_layer_and_those_below():
+    violations = []
+    for index, (folder, package) in enumerate(LAYERS):
+        for module, path in _modules(folder, package).items():
+            for name in _imports(path, module):
+                if name.split(".")[0] in ("scripts", "tests", "bench"):
+                    violations.append((module, name))
+                layer = _layer_of(name)
+                if layer is not None and layer > index:
+                    violations.append((module, name))
+                if index and name.split(".")[0] == folder:
+                    violations.append((module, name + " (use the installed name)"))
+    assert not violations
+
+
+def test_no_two_modules_import_each_other():
+    graph = {}
+    for folder, package in LAYERS:
+        for module, path in _modules(folder, package).items():
+            graph[module] = {n for n in _imports(path, module) if _layer_of(n) is not None} - {module}
+    # imports of a package's submodule count as imports of the module itself
+    modules = set(graph)
+    edges = {m: {n if n in modules else n.rsplit(".", 1)[0] for n in deps} & modules
+             for m, deps in graph.items()}
+    cycles = sorted((a, b) for a in edges for b in edges[a] if a in edges.get(b, ()) and a < b
+                    and not (a.startswith(b + ".") or b.startswith(a + ".")))
+    assert not cycles
+
+
+BLOCKER = """
+import importlib, importlib.abc, sys
+BLOCKED = {blocked!r}
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            raise ImportError(f"blocked: {{name}}")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+for name in {modules!r}:
+    importlib.import_module(name)
+print("imported", len({modules!r}))
 """
 
 
-def _allocator(env_value):
+def test_the_library_imports_with_every_layer_above_it_unimportable():
+    """Every module under poecaps/, in a fresh interpreter where the trainers, samplers,
+    experiments and scripts (checkout or installed names) cannot be imported."""
+    modules = sorted(_modules("poecaps", "poecaps"))
+    blocked = [*ABOVE_THE_LIBRARY, *(package for _, package in LAYERS[1:])]
+    code = BLOCKER.format(blocked=blocked, modules=modules)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"imported {len(modules)}" in result.stdout
+
+
+@pytest.mark.parametrize("value, expected", [(None, "true"), ("false", "false"), ("true", "true")])
+def test_importing_poecaps_selects_the_bfc_cpu_allocator_unless_told_otherwise(value, expected):
+    """`import poecaps` sets TF_CPU_ALLOCATOR_USE_BFC=true for TensorFlow, and keeps a value the
+    user set (what TensorFlow then does with it is TensorFlow's business)."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    if env_value is not None:
-        env["TF_CPU_ALLOCATOR_USE_BFC"] = env_value
-    result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, check=False,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout.split()[-2:] if "BFC" in result.stdout else result.stdout.split()[-1:]
+    if value is not None:
+        env["TF_CPU_ALLOCATOR_USE_BFC"] = value
+    code = "import os, poecaps; print(os.environ['TF_CPU_ALLOCATOR_USE_BFC'])"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert result.stdout.split()[-1] == expected
 
 
-def test_importing_poecaps_selects_the_bfc_cpu_allocator_even_after_tensorflow():
-    assert _allocator(None) == ["BFC", "True"]
+def test_console_scripts_are_the_scripts_functions():
+    """pyproject's entry points name the functions `scripts/*.py` call, and they answer --help."""
+    import tomllib
 
-
-def test_an_explicit_allocator_choice_is_kept():
-    assert _allocator("false") == ["DEFAULT"]
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        entry_points = tomllib.load(handle)["project"]["scripts"]
+    for command, target in entry_points.items():
+        module, function = target.split(":")
+        script = os.path.join(ROOT, "scripts", function + ".py")
+        with open(script) as handle:
+            assert f"from {module} import {function}" in handle.read(), command
+        result = subprocess.run([sys.executable, "-c", f"from {module} import {function}; {function}(['--help'])"],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-1000:]

@@ -14,14 +14,15 @@ import pytest
 from keras import ops
 
 from poecaps.capsules import squash
-from poecaps.checkpoints import CheckpointManager
 from poecaps.errors import CheckpointError, NonFiniteError
 from poecaps.experts import CapsuleExperts
-from poecaps.guard import ScaledSchedule, learning_rate_scale
 from poecaps.rbm import BernoulliRBM
-from poecaps.resumable import EpochBatches, epoch_order, fit_resumable
 from poecaps.routing import DynamicRouting
-from trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.checkpoints import CheckpointManager
+from poecaps.trainers.guard import NonFiniteGuard
+from poecaps.trainers.resumable import EpochBatches, epoch_order, fit_resumable
+from poecaps.trainers.schedule import ScaledSchedule, learning_rate_scale
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "resume_run.py")
@@ -214,12 +215,12 @@ def test_sigkill_at_random_moments_then_resume_matches_uninterrupted_run(tmp_pat
 
 
 class _InjectNaN(keras.callbacks.Callback):
-    def __init__(self, at_batch):
+    def __init__(self, *at_batches):
         super().__init__()
-        self.at_batch = at_batch
+        self.at_batches = at_batches
 
     def on_train_batch_begin(self, batch, logs=None):
-        if batch == self.at_batch:
+        if batch in self.at_batches:
             kernel = self.model.energy_model.kernel
             kernel.assign(ops.where(ops.arange(kernel.shape[0])[:, None, None, None] == 0,
                                     float("nan"), kernel))
@@ -239,7 +240,7 @@ def test_nan_guard_restores_the_last_good_state_and_stops(tmp_path, capsules):
     trainer = _capsule_trainer()
     before = _Snapshot(2)
     log = tmp_path / "faults.jsonl"
-    with pytest.raises(NonFiniteError, match=r"epoch 1, batch 4.*restored.*--on-nan reduce-lr"):
+    with pytest.raises(NonFiniteError, match=r"epoch 1, batch 4.*restored.*on_nan=reduce-lr"):
         fit_resumable(trainer, capsules, epochs=2, batch_size=8, seed=0, fault_log=str(log),
                       callbacks=[before, _InjectNaN(3)], verbose=0)
     for a, b in zip(before.weights, _weights(trainer)):
@@ -259,6 +260,24 @@ def test_nan_guard_halves_the_learning_rate_and_continues(tmp_path, capsules):
     events = [json.loads(line) for line in log.read_text().splitlines()]
     assert [e["action"] for e in events] == ["reduce-lr", "reduce-lr"]   # batch 3 of each epoch
     assert float(ops.convert_to_numpy(learning_rate_scale(trainer.optimizer))) == 0.25
+
+
+def test_nan_guard_compounds_the_reductions_and_stops_at_its_limit(tmp_path, capsules):
+    """Failures at batches 1, 2, 3 in a row: the rate in effect halves each time (0.5, 0.25,
+    0.125), though the state restored each time is the one from before batch 1."""
+    trainer = _capsule_trainer()
+    log = tmp_path / "faults.jsonl"
+    fit_resumable(trainer, capsules, epochs=1, batch_size=8, seed=0, on_nan="reduce-lr",
+                  fault_log=str(log), callbacks=[_InjectNaN(1, 2, 3)], verbose=0)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["learning_rate_scale"] for e in events] == [0.5, 0.25, 0.125]
+    assert [e["reductions"] for e in events] == [1, 2, 3]
+    assert float(ops.convert_to_numpy(learning_rate_scale(trainer.optimizer))) == 0.125
+    # with a limit of two halvings the third failure stops the run, saying so
+    guard = NonFiniteGuard("reduce-lr", max_reductions=2, log=lambda *a: None)
+    with pytest.raises(NonFiniteError, match="after 2 halvings"):
+        fit_resumable(_capsule_trainer(), capsules, epochs=1, batch_size=8, seed=0, on_nan="off",
+                      callbacks=[guard, _InjectNaN(1, 2, 3)], verbose=0)
 
 
 def test_scaled_schedule_round_trips_and_scales():

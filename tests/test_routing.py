@@ -10,7 +10,8 @@ from poecaps.routing import DynamicRouting, RoutingResult
 
 
 def numpy_dynamic_routing(votes, iterations, agreement, normalize, activations=None):
-    """Sabour's procedure with loops, straight from the description."""
+    """Sabour's Procedure 1 with loops, straight from the paper: r rounds, each ending with an
+    update of b (the last round's update is never used); r = 0 runs one round, uniform c."""
     batch, num_in, num_out, _ = votes.shape
     a = np.ones((batch, num_in)) if activations is None else activations
     b = np.zeros((batch, num_in, num_out))
@@ -22,9 +23,9 @@ def numpy_dynamic_routing(votes, iterations, agreement, normalize, activations=N
 
     def squash(z):
         n2 = (z * z).sum(-1, keepdims=True)
-        return n2 / (1 + n2) * z / np.sqrt(n2 + 1e-7)
+        return n2 / (1 + n2) * z / np.sqrt(n2)
 
-    for _ in range(iterations):
+    for _ in range(max(iterations, 1)):
         c = softmax(b)
         v = np.zeros((batch, num_out, votes.shape[-1]))
         for n in range(batch):
@@ -39,14 +40,12 @@ def numpy_dynamic_routing(votes, iterations, agreement, normalize, activations=N
                     if agreement == "cosine":
                         dot /= np.sqrt(votes[n, i, j] @ votes[n, i, j] + 1e-7) * np.sqrt(v[n, j] @ v[n, j] + 1e-7)
                     b[n, i, j] += dot
-    c = softmax(b)
-    z = np.einsum("bij,bi,bijd->bjd", c, a, votes)
-    return squash(z), c
+    return v, c
 
 
 @pytest.mark.parametrize("agreement", ["dot", "cosine"])
 @pytest.mark.parametrize("normalize", ["parents", "children"])
-@pytest.mark.parametrize("iterations", [0, 1, 3])
+@pytest.mark.parametrize("iterations", [0, 1, 2, 3])
 def test_matches_numpy_reference(rng, agreement, normalize, iterations):
     votes = rng.normal(size=(2, 5, 3, 4))
     activations = rng.uniform(size=(2, 5))
@@ -73,11 +72,31 @@ def test_linear_route_equals_routing_on_votes(rng, agreement, normalize, with_ac
         np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
 
 
-def test_zero_iterations_gives_uniform_coefficients(rng):
-    result = DynamicRouting(0)(rng.normal(size=(2, 5, 4, 3)))
+@pytest.mark.parametrize("iterations", [0, 1])
+def test_zero_and_one_round_give_uniform_coefficients(rng, iterations):
+    votes = rng.normal(size=(2, 5, 4, 3))
+    result = DynamicRouting(iterations)(votes)
     np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), 0.25)
-    result = DynamicRouting(0, normalize="children")(rng.normal(size=(2, 5, 4, 3)))
+    result = DynamicRouting(iterations, normalize="children")(votes)
     np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), 0.2)
+    # the poses are the squashed plain mean of the votes
+    z = votes.mean(axis=1)
+    n2 = np.sum(z * z, -1, keepdims=True)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.poses), n2 / (1 + n2) * z / np.sqrt(n2),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_three_rounds_make_two_agreement_updates(rng):
+    """Sabour's r = 3: c = softmax(u.v1 + u.v2), with v1 from uniform c and v2 from softmax(u.v1)."""
+    votes = rng.normal(size=(1, 4, 3, 2))
+    softmax = lambda b: np.exp(b) / np.exp(b).sum(-1, keepdims=True)
+    squash = lambda z: z * np.linalg.norm(z, axis=-1, keepdims=True) / (1 + np.sum(z * z, -1, keepdims=True))
+    v1 = squash(votes.mean(axis=1) * 4 / 3)                       # c = 1/3 over the 3 parents
+    b1 = np.einsum("bijd,bjd->bij", votes, v1)
+    v2 = squash(np.einsum("bij,bijd->bjd", softmax(b1), votes))
+    b2 = b1 + np.einsum("bijd,bjd->bij", votes, v2)
+    result = DynamicRouting(3, "dot")(votes)
+    np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), softmax(b2), rtol=1e-5, atol=1e-7)
 
 
 def test_coefficients_sum_to_one_over_the_chosen_axis(rng):

@@ -1,12 +1,13 @@
-"""`runs.batched` keeps a bound method's traced graph, and never runs a stale one."""
+"""`poecaps.graphs.batched` keeps a bound method's traced graph, and never runs a stale one."""
 
 import gc
 import weakref
 
 import numpy as np
 
+from poecaps.graphs import batched
 from poecaps.layers import ConvAutoencoder
-from poecaps.runs import CapsulePipeline, batched
+from poecaps.models import CapsulePipeline
 
 
 class Scale:

@@ -4,75 +4,84 @@ import pytest
 import tensorflow as tf
 from keras import ops
 
-from poecaps import energy
 from poecaps.capsules import squash, unsquash
-from poecaps.configs import LayerwiseConfig
 from poecaps.errors import InputError
+from poecaps.experiments.configs import LayerwiseConfig
+from poecaps.experiments.layerwise import stage_l2
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
 from poecaps.rbm import BernoulliRBM
 from poecaps.routing import DynamicRouting
-from trainers.autoencoder import AutoencoderTrainer
-from trainers.cd import (
+from poecaps.trainers.autoencoder import AutoencoderTrainer
+from poecaps.trainers.cd import (
     CDTrainer,
-    ClampedDecoderTrainer,
+    DecoderTrainer,
     FreeEnergyGap,
     OffCapsulesWarning,
     cd_step,
     default_optimizer,
+    descent,
     sharded_cd_step,
 )
-from trainers.layerwise import _cd_trainer, stage_l2
-from trainers.shards import shard_bounds
+from poecaps.trainers.shards import shard_bounds
+
+
+def _np_squash(z):
+    sq = np.sum(z * z, -1, keepdims=True)
+    return z * np.sqrt(sq) / (1 + sq)
+
+
+def _np_mix(x, w, c, steps):
+    """Algorithm 1's mixing in NumPy: x~ = squash(sum_j c_ij W_ij^T squash(z_j)), z_j = sum_i c_ij W_ij x_i."""
+    for _ in range(steps):
+        z = np.einsum("bij,ijoe,bie->bjo", c, w, x)
+        x = _np_squash(np.einsum("bij,ijoe,bjo->bie", c, w, _np_squash(z)))
+    return x
 
 
 def _capsules(rng, n, num, dim, scale=2.0):
     return ops.convert_to_numpy(squash(rng.normal(size=(n, num, dim)) * scale)).astype("float32")
 
 
-def _experts(num_in, d_in, num_out, d_out, normalize="parents", seed=0):
-    layer = CapsuleExperts(num_out, d_out, routing=DynamicRouting(2, "cosine", normalize),
-                           kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=seed))
+def _experts(num_in, d_in, num_out, d_out, normalize="parents", seed=0, dtype="float32", stddev=0.3):
+    layer = CapsuleExperts(num_out, d_out, routing=DynamicRouting(3, "cosine", normalize), dtype=dtype,
+                           kernel_initializer=keras.initializers.RandomNormal(stddev=stddev, seed=seed))
     layer.build((None, num_in, d_in))
     return layer
 
 
-def test_cd_step_is_descent_direction_of_free_energy_difference(rng):
-    x = _capsules(rng, 4, 6, 3)
-    layer = _experts(6, 3, 2, 4)
-    grads, _, stats = cd_step(layer, x, l2=0.0)
-    c = layer.coefficients(x)
-    np.testing.assert_allclose(ops.convert_to_numpy(grads[0]),
-                               -ops.convert_to_numpy(energy.encoder_cd_gradient(x, layer.kernel, c)),
-                               rtol=1e-5, atol=1e-8)
-    np.testing.assert_allclose(ops.convert_to_numpy(stats["p_on"]),
-                               ops.convert_to_numpy(layer.p_on(x)), rtol=1e-5)
+def test_cd_step_is_minus_autodiff_of_the_free_energy_difference(rng):
+    """cd_step's gradient is grad_W [F(x) - F(x~)] + l2 W, with F (eq. 10) written here in TensorFlow
+    and c and the NumPy reconstruction x~ (Algorithm 1) held fixed."""
+    x = _capsules(rng, 4, 6, 3).astype("float64")
+    layer = _experts(6, 3, 2, 4, dtype="float64")
+    grads, negatives, stats = cd_step(layer, x, l2=0.0)
+    c = ops.convert_to_numpy(layer.coefficients(x))
+    x_neg = _np_mix(x, ops.convert_to_numpy(layer.kernel), c, 1)
+    np.testing.assert_allclose(ops.convert_to_numpy(negatives), x_neg, rtol=1e-9, atol=1e-12)
+    kernel = tf.Variable(ops.convert_to_numpy(layer.kernel))
+    free_energy = lambda v: -tf.reduce_sum(tf.math.log1p(tf.reduce_sum(
+        tf.square(tf.einsum("bij,ijoe,bie->bjo", c, kernel, v)), -1)), -1)
+    with tf.GradientTape() as tape:
+        objective = tf.reduce_mean(free_energy(x) - free_energy(x_neg))
+    expected = tape.gradient(objective, kernel).numpy()
+    assert np.abs(expected).max() > 1e-3
+    np.testing.assert_allclose(ops.convert_to_numpy(grads[0]), expected, rtol=1e-7, atol=1e-12)
+    sq = np.sum(np.einsum("bij,ijoe,bie->bjo", c, ops.convert_to_numpy(layer.kernel), x) ** 2, -1)
+    np.testing.assert_allclose(ops.convert_to_numpy(stats["p_on"]), sq / (1 + sq), rtol=1e-9)
     l2_grads, _, _ = cd_step(layer, x, l2=0.5)
     np.testing.assert_allclose(ops.convert_to_numpy(l2_grads[0] - grads[0]),
-                               0.5 * ops.convert_to_numpy(layer.kernel), rtol=1e-5, atol=1e-7)
+                               0.5 * ops.convert_to_numpy(layer.kernel), rtol=1e-9, atol=1e-12)
 
 
 def test_cd_k_mixes_k_times(rng):
-    x = _capsules(rng, 3, 5, 2)
-    layer = _experts(5, 2, 2, 3)
+    x = _capsules(rng, 3, 5, 2).astype("float64")
+    layer = _experts(5, 2, 2, 3, dtype="float64", stddev=1.5)
     _, negatives, _ = layer.cd_gradients(x, steps=3)
-    expected, _ = energy.mix(x, layer.kernel, layer.coefficients(x), steps=3)
-    np.testing.assert_allclose(ops.convert_to_numpy(negatives), ops.convert_to_numpy(expected), rtol=1e-5)
-
-
-def test_clamped_decoder_rule_matches_section_4_1(rng):
-    """dU = 2 e (f(z_data) x^T - f(z~) x~^T) with z_data = unsquash(lower data)."""
-    upper, lower = _capsules(rng, 3, 2, 4), _capsules(rng, 3, 5, 3)
-    decoder = _experts(2, 4, 5, 3, normalize="children")
-    grads, _, _ = decoder.cd_gradients(upper, hidden=lower)
-    e = ops.convert_to_numpy(decoder.coefficients(upper)).astype("float64")
-    u = ops.convert_to_numpy(decoder.kernel).astype("float64")
-    z_data = ops.convert_to_numpy(unsquash(lower.astype("float64")))
-    x_neg, z_neg = (ops.convert_to_numpy(t) for t in energy.mix(upper.astype("float64"), u, e))
-    f = lambda z: z / (1 + np.sum(z * z, -1, keepdims=True))
-    expected = 2 * (np.einsum("bji,bio,bje->jioe", e, f(z_data), upper)
-                    - np.einsum("bji,bio,bje->jioe", e, f(z_neg), x_neg)) / 3
-    np.testing.assert_allclose(ops.convert_to_numpy(grads[0]), expected, rtol=1e-4, atol=1e-6)
+    c = ops.convert_to_numpy(layer.coefficients(x))
+    expected = _np_mix(x, ops.convert_to_numpy(layer.kernel), c, 3)
+    np.testing.assert_allclose(ops.convert_to_numpy(negatives), expected, rtol=1e-9, atol=1e-12)
+    assert np.abs(expected - _np_mix(x, ops.convert_to_numpy(layer.kernel), c, 2)).max() > 1e-4
 
 
 @pytest.mark.parametrize("iterations", [0, 1, 3])
@@ -82,7 +91,7 @@ def test_delta_rule_equals_minus_autodiff_of_code_error(rng, iterations):
     decoder = CapsuleExperts(5, 3, routing=DynamicRouting(iterations, "cosine", "children"),
                              kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=2))
     decoder.build((None, 2, 4))
-    grads, negatives, stats = decoder.clamped_gradients(upper, lower, "delta")
+    grads, negatives, stats = decoder.decoder_gradients(upper, lower, "delta")
     e = tf.constant(ops.convert_to_numpy(decoder.coefficients(upper)), tf.float64)
     u = tf.Variable(ops.convert_to_numpy(decoder.kernel).astype("float64"))
     target = tf.constant(ops.convert_to_numpy(unsquash(lower.astype("float64"))))
@@ -100,7 +109,7 @@ def test_section41_rule_matches_the_printed_equation(rng):
     """z~ = sum_j e U x (the data's x), x~ = squash(sum_i e U^T z~); dU = 2 e (f(z) x^T - f(z~) x~^T)."""
     upper, lower = _capsules(rng, 3, 2, 4), _capsules(rng, 3, 5, 3)
     decoder = _experts(2, 4, 5, 3, normalize="children")
-    grads, _, stats = decoder.clamped_gradients(upper, lower, "section41")
+    grads, _, stats = decoder.decoder_gradients(upper, lower, "section41")
     e = ops.convert_to_numpy(decoder.coefficients(upper)).astype("float64")
     u = ops.convert_to_numpy(decoder.kernel).astype("float64")
     x = upper.astype("float64")
@@ -116,7 +125,7 @@ def test_section41_rule_matches_the_printed_equation(rng):
     np.testing.assert_allclose(ops.convert_to_numpy(stats["code_error"]),
                                np.mean((z_data - z_model) ** 2, axis=(1, 2)), rtol=1e-4)
     with pytest.raises(ValueError, match="rule must be one of"):
-        decoder.clamped_gradients(upper, lower, "clamped")
+        decoder.decoder_gradients(upper, lower, "clamped")
 
 
 def test_delta_rule_trainer_fits_a_teacher_decoder(rng):
@@ -125,16 +134,16 @@ def test_delta_rule_trainer_fits_a_teacher_decoder(rng):
     teacher = _experts(3, 4, 5, 2, normalize="children", seed=7)
     lower = ops.convert_to_numpy(teacher(upper))
     student = _experts(3, 4, 5, 2, normalize="children", seed=1)
-    trainer = ClampedDecoderTrainer(student, "delta", l2=0.0, heldout=upper[:8])
+    trainer = DecoderTrainer(student, "delta", l2=0.0, heldout=upper[:8])
     trainer.compile(optimizer=default_optimizer(0.5, 100))
     history = trainer.fit(upper, lower, epochs=20, batch_size=16, verbose=0)
     errors = history.history["code_error"]
     assert set(history.history) >= {"code_error", "p_on", "free_energy"}
     assert errors[-1] < 0.2 * errors[0]
-    with pytest.raises(InputError, match="fit on \\(upper, lower\\) pairs"):
-        trainer.fit(upper, epochs=1, batch_size=16, verbose=0)
+    with pytest.raises(InputError, match=r"\(upper, lower\) pairs"):
+        trainer.check_inputs(upper)
     with pytest.raises(ValueError, match="rule must be one of"):
-        ClampedDecoderTrainer(student, "clamped")
+        DecoderTrainer(student, "clamped")
 
 
 def test_rbm_cd_gradient_equals_autodiff(rng):
@@ -150,15 +159,30 @@ def test_rbm_cd_gradient_equals_autodiff(rng):
         np.testing.assert_allclose(ops.convert_to_numpy(closed), -a.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def test_cd_trainer_fit_lowers_free_energy_of_data(rng):
-    x = _capsules(rng, 64, 6, 3)
+def test_cd_trainer_lowers_the_free_energy_of_data_against_noise_beyond_growing_w(rng):
+    """Capsules from a 2-D latent model: CD makes the data's free energy lower than that of noise
+    capsules of the same lengths, by more than the initial W scaled to the trained W's norm does
+    (so the result is not W merely growing)."""
+    mixing = rng.normal(size=(6, 3, 2))
+    data = _np_squash(np.einsum("ide,ne->nid", mixing, rng.normal(size=(256, 2)))).astype("float32")
+    noise = rng.normal(size=data.shape)
+    noise = (noise / np.linalg.norm(noise, axis=-1, keepdims=True)
+             * np.linalg.norm(data, axis=-1, keepdims=True)).astype("float32")
     layer = _experts(6, 3, 3, 4)
-    before = float(ops.mean(layer.free_energy(x)))
-    trainer = CDTrainer(layer, l2=0.0, heldout=x[:8])
+    start = ops.convert_to_numpy(layer.kernel).copy()
+
+    def gap(kernel):
+        layer.kernel.assign(kernel)
+        return float(ops.mean(layer.free_energy(data)) - ops.mean(layer.free_energy(noise)))
+
+    trainer = CDTrainer(layer, l2=0.0, heldout=data[:8])
     trainer.compile(optimizer=default_optimizer(0.05, 10))
-    history = trainer.fit(x, epochs=3, batch_size=16, verbose=0,
-                          callbacks=[FreeEnergyGap(x[8:16], trainer.heldout)])
-    assert float(ops.mean(layer.free_energy(x))) < before
+    history = trainer.fit(data, epochs=5, batch_size=16, verbose=0,
+                          callbacks=[FreeEnergyGap(data[8:16], trainer.heldout)])
+    trained = ops.convert_to_numpy(layer.kernel).copy()
+    scaled = start * np.linalg.norm(trained) / np.linalg.norm(start)
+    assert gap(trained) < gap(scaled) - 0.1 and gap(trained) < gap(start) - 0.1, (
+        gap(trained), gap(scaled), gap(start))
     assert set(history.history) >= {"reconstruction_error", "p_on", "free_energy", "free_energy_gap"}
 
 
@@ -189,22 +213,32 @@ def test_shard_bounds_cut_the_batch_into_near_equal_consecutive_parts():
     assert [(int(a), int(b)) for a, b in dynamic] == [(0, 3), (3, 5), (5, 7)]
 
 
+@pytest.mark.parametrize("rule", [None, "delta", "section41"])
 @pytest.mark.parametrize("shards, batch", [(2, 7), (3, 7), (4, 2)])
 @pytest.mark.parametrize("static", [True, False])
-def test_sharded_cd_step_equals_the_whole_batch_step(rng, shards, batch, static):
-    """Size-weighted shard means are the batch mean; empty shards (batch < shards) weigh 0."""
-    x, lower = _capsules(rng, batch, 6, 3), _capsules(rng, batch, 5, 2)
-    layer = _experts(6, 3, 5, 2, normalize="children")
-    expected = cd_step(layer, x, l2=0.1, hidden=lower)
-    step = lambda x, chain, hidden: cd_step(layer, x, chain=chain, l2=0.1, hidden=hidden)
+def test_sharded_cd_step_equals_the_whole_batch_step(rng, rule, shards, batch, static):
+    """Size-weighted shard means are the batch mean; empty shards (batch < shards) weigh 0.
+    `rule` None is the encoder's CD step, else a decoder rule on (upper, lower) pairs. In float64,
+    so that the shards' other summation order stays far below the tolerance."""
+    x, lower = _capsules(rng, batch, 6, 3).astype("float64"), _capsules(rng, batch, 5, 2).astype("float64")
+    layer = _experts(6, 3, 5, 2, normalize="children", dtype="float64")
+
+    def step(x, chain, targets):
+        if rule is None:
+            return cd_step(layer, x, chain=chain, l2=0.1)
+        ascent, negatives, stats = layer.decoder_gradients(x, targets, rule)
+        return descent(ascent, layer.trainable_weights, 0.1), negatives, stats
+
+    expected = step(x, None, lower)
     n = batch if static else None
-    sharded = tf.function(lambda x, h: sharded_cd_step(step, x, shards, hidden=h),
-                          input_signature=[tf.TensorSpec((n, 6, 3)), tf.TensorSpec((n, 5, 2))])
+    sharded = tf.function(lambda x, t: sharded_cd_step(step, x, shards, targets=t),
+                          input_signature=[tf.TensorSpec((n, 6, 3), tf.float64),
+                                           tf.TensorSpec((n, 5, 2), tf.float64)])
     grads, negatives, stats = sharded(x, lower)
-    np.testing.assert_allclose(grads[0].numpy(), ops.convert_to_numpy(expected[0][0]), rtol=1e-5, atol=1e-8)
-    np.testing.assert_allclose(negatives.numpy(), ops.convert_to_numpy(expected[1]), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grads[0].numpy(), ops.convert_to_numpy(expected[0][0]), rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(negatives.numpy(), ops.convert_to_numpy(expected[1]), rtol=1e-10, atol=1e-13)
     for key, value in expected[2].items():
-        np.testing.assert_allclose(stats[key].numpy(), ops.convert_to_numpy(value), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(stats[key].numpy(), ops.convert_to_numpy(value), rtol=1e-10, atol=1e-13)
 
 
 def test_sharded_trainer_takes_the_same_steps_as_the_whole_batch_one(rng):
@@ -312,22 +346,48 @@ def test_rbm_sparsity_term_is_minus_autodiff_of_penalty(rng, cost, population_co
                                rtol=1e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("cost,population_cost,expected", [(0.0, 0.0, None), (2.0, 0.0, (0.2, 2.0, 0.0)),
-                                                           (0.0, 3.0, (0.2, 0.0, 3.0))])
-def test_layerwise_config_sets_both_sparsity_costs(rng, cost, population_cost, expected):
-    """`--sparsity-cost` and `--population-sparsity-cost` reach the encoder's CD trainer."""
-    config = LayerwiseConfig(sparsity_target=0.2, sparsity_cost=cost, population_sparsity_cost=population_cost,
-                             jit_cd=False)
-    trainer = _cd_trainer(_experts(4, 2, 2, 3), config, 10, _capsules(rng, 2, 4, 2), 0.1, 0.0,
-                          config.sparsity_cost, config.population_sparsity_cost)
-    assert trainer.sparsity == expected
+@pytest.mark.parametrize("stage, settings", [
+    ("encoder", {"sparsity_target": 0.2, "sparsity_cost": 2.0, "population_sparsity_cost": 3.0,
+                 "cd_learning_rate": 0.07, "l2": 1e-3}),
+    ("encoder", {"sparsity_cost": 0.0, "population_sparsity_cost": 0.0}),
+    ("decoder", {"decoder_rule": "delta", "decoder_learning_rate": 0.3, "decoder_l2": 2e-3}),
+    ("decoder", {"decoder_rule": "section41", "decoder_learning_rate": 0.3}),
+])
+def test_each_setting_reaches_its_stages_trainer(tmp_path, rng, monkeypatch, stage, settings):
+    """The config travels through `train_stage` to the trainer `fit` gets: sparsity target and both
+    costs (distinct values, so swapping two would fail), the rule, learning rate and L2 of the stage."""
+    from poecaps.experiments import layerwise
+    from poecaps.experiments.runs import RunDir
 
+    config = LayerwiseConfig(filters=4, kernel_size=3, capsule_dim=2, num_capsules=3, upper_dim=2,
+                             batch_size=8, heldout_size=4, jit_cd=False, **settings)
+    run = RunDir(str(tmp_path / "run"))
+    images = rng.uniform(size=(16, 9, 9, 1)).astype("float32")
+    autoencoder = ConvAutoencoder(4, 3, 2, 0.0, seed=0)
+    autoencoder.build((None, 9, 9, 1))
+    from poecaps.models.saving import save_component
 
-def test_decoder_rule_delta_gets_the_delta_rule_trainer(rng):
-    config = LayerwiseConfig(decoder_rule="delta", jit_cd=False)
-    trainer = _cd_trainer(_experts(4, 2, 2, 3, normalize="children"), config, 10, _capsules(rng, 2, 4, 2),
-                          0.1, 0.0, clamped_rule="delta")
-    assert isinstance(trainer, ClampedDecoderTrainer) and trainer.rule == "delta" and trainer.sparsity is None
+    save_component(autoencoder, run.models + "/autoencoder.keras")
+    seen = {}
+
+    def fit(trainer, x, *args, y=None, **kwargs):
+        seen.update(trainer=trainer, x=x, y=y)
+        trainer(x[:1]) if y is None else trainer.energy_model(x[:1])
+    monkeypatch.setattr(layerwise, "_fit", fit)
+    layerwise.train_stage("encoder", config, run, images, images)
+    if stage == "decoder":
+        layerwise.train_stage("decoder", config, run, images, images)
+    trainer = seen["trainer"]
+    assert trainer.l2 == stage_l2(config, stage)
+    if stage == "encoder":
+        assert type(trainer) is CDTrainer
+        costs = (config.sparsity_target, config.sparsity_cost, config.population_sparsity_cost)
+        assert trainer.sparsity == (None if costs[1:] == (0.0, 0.0) else costs)
+        assert float(trainer.optimizer.learning_rate) == pytest.approx(config.cd_learning_rate)
+    else:
+        assert type(trainer) is DecoderTrainer and trainer.rule == config.decoder_rule
+        assert float(trainer.optimizer.learning_rate) == pytest.approx(config.decoder_learning_rate)
+        assert seen["y"].shape == (16, 3 * 3 * 4 // 2, 2)     # the lower capsules are the targets
 
 
 def test_sparsity_arguments_are_checked(rng):
@@ -341,8 +401,6 @@ def test_sparsity_arguments_are_checked(rng):
         CDTrainer(layer, population_sparsity_cost=-1.0)
     with pytest.raises(ValueError, match=r"sparsity must be \(target, cost\)"):
         layer.cd_gradients(x, sparsity=(0.1,))
-    with pytest.raises(ValueError, match="clamped"):
-        layer.cd_gradients(x, hidden=_capsules(rng, 2, 2, 3), sparsity=(0.1, 1.0))
 
 
 @pytest.mark.parametrize("reads_length", [False, True])
@@ -351,18 +409,18 @@ def test_decoder_starts_as_the_encoders_down_pass(rng, normalize, reads_length):
     """At uniform coefficients the initial decoder maps upper capsules to what
     Algorithm 1's reconstruction `squash(sum_j c_ij W_ij^T x_j)` gives; a
     decoder that reads `(x, |x|)/sqrt(2)` (`--decoder-length`) starts the same."""
-    from trainers.layerwise import decoder_kernel_from_encoder
+    from poecaps.models.capsule_pipeline import decoder_kernel_from_encoder
 
     num_in, d_in, num_out, d_out = 12, 3, 4, 5
     stddev = 0.3 * (1 if normalize == "parents" else num_in / num_out)  # the same model either way
-    encoder = CapsuleExperts(num_out, d_out, routing=DynamicRouting(0, "cosine", normalize),
+    encoder = CapsuleExperts(num_out, d_out, routing=DynamicRouting(1, "cosine", normalize),
                              kernel_initializer=keras.initializers.RandomNormal(stddev=stddev, seed=1))
     encoder.build((None, num_in, d_in))
     x = _capsules(rng, 3, num_in, d_in)
     upper = ops.convert_to_numpy(encoder(x))
     c = ops.convert_to_numpy(encoder.coefficients(x))
-    expected = ops.convert_to_numpy(squash(energy.reconstruct(upper, encoder.kernel, c)))
-    decoder = CapsuleExperts(num_in, d_in, routing=DynamicRouting(0, "cosine", "children"))
+    expected = _np_squash(np.einsum("bij,ijoe,bjo->bie", c, ops.convert_to_numpy(encoder.kernel), upper))
+    decoder = CapsuleExperts(num_in, d_in, routing=DynamicRouting(1, "cosine", "children"))
     decoder.build((None, num_out, d_out + int(reads_length)))
     decoder.kernel.assign(decoder_kernel_from_encoder(encoder, reads_length))
     # (x, |x|)/sqrt(2), written out.

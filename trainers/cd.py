@@ -8,13 +8,13 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.experts import CLAMPED_RULES, check_sparsity
-from poecaps.guard import ScaledSchedule
+from poecaps.experts import DECODER_RULES, check_sparsity
+from poecaps.trainers.schedule import ScaledSchedule
+from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 from poecaps.validation import check_array
-from trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 
 
-def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
+def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
     """One pure CD step: the descent gradients (with L2) and the statistics.
 
     Returns `(grads, negatives, stats)`; `grads` are aligned with
@@ -22,8 +22,7 @@ def cd_step(model, x, steps=1, chain=None, l2=0.0, hidden=None, sparsity=None):
     for the CD update dW (Hauser eq. 18), ready for a Keras optimizer.
     `sparsity=(target, cost)` adds the sparsity penalty of `EnergyModel`.
     """
-    ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, hidden=hidden,
-                                                  sparsity=sparsity)
+    ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, sparsity=sparsity)
     return descent(ascent, model.trainable_weights, l2), negatives, stats
 
 
@@ -32,20 +31,21 @@ def descent(ascent, weights, l2):
     return [-g + l2 * w for g, w in zip(ascent, weights)]
 
 
-def sharded_cd_step(step, x, shards, chain=None, hidden=None):
-    """`step(x, chain, hidden) -> (grads, negatives, stats)` on `shards` parts of the batch, combined.
+def sharded_cd_step(step, x, shards, chain=None, targets=None):
+    """`step(x, chain, targets) -> (grads, negatives, stats)` on `shards` parts of the batch, combined.
 
     The gradients are batch means, so the whole batch's is the mean of the
-    shards' weighted by their sizes (`trainers.shards`); negatives and
-    statistics are per example and are concatenated. `hidden` is cut like
-    `x`, a persistent chain by its own length.
+    shards' weighted by their sizes (`poecaps.trainers.shards`); negatives
+    and statistics are per example and are concatenated. `targets` (the
+    decoder's lower capsules) are cut like `x`, a persistent chain by its
+    own length.
     """
     n = batch_size(x)
     bounds = shard_bounds(n, shards)
     chain_bounds = bounds if chain is None else shard_bounds(batch_size(chain), shards)
     kept = nonempty(bounds, n)
     bounds, chain_bounds = [bounds[k] for k in kept], [chain_bounds[k] for k in kept]
-    parts = [step(x[a:b], None if chain is None else chain[c:d], None if hidden is None else hidden[a:b])
+    parts = [step(x[a:b], None if chain is None else chain[c:d], None if targets is None else targets[a:b])
              for (a, b), (c, d) in zip(bounds, chain_bounds)]
     grads = [size_weighted_mean([part[0][k] for part in parts], bounds, n)
              for k in range(len(parts[0][0]))]
@@ -59,7 +59,7 @@ def default_optimizer(learning_rate=0.05, decay_steps=1000, decay_rate=0.95, mom
     if learning_rate <= 0:
         raise ValueError(f"learning_rate must be positive. Received: learning_rate={learning_rate}")
     schedule = keras.optimizers.schedules.ExponentialDecay(learning_rate, decay_steps, decay_rate)
-    # Scaled so that the NaN guard can halve it (poecaps.guard).
+    # Scaled so that the NaN guard can halve it (poecaps.trainers.guard).
     return keras.optimizers.SGD(learning_rate=ScaledSchedule(schedule), momentum=momentum)
 
 
@@ -154,14 +154,15 @@ class CDTrainer(keras.Model):
         return list(self.trackers.values())
 
     def check_inputs(self, x, y=None):
-        """Raise `InputError` unless `x` (and hidden `y`) fit the energy model."""
+        """Raise `InputError` unless `x` fit the energy model (CD learns from visible units alone)."""
         shape = self.energy_model.visible_shape if self.energy_model.built else None
         if self._identity_preprocess:
             check_array(x, "x (visible units)", shape)
         else:
             check_array(x, "x (images)")
         if y is not None:
-            check_array(y, "y (clamped hidden units)")
+            raise InputError("CDTrainer learns from the visible units alone; pass no y "
+                             "(DecoderTrainer takes (upper, lower) pairs).")
 
     def call(self, images):
         return self.energy_model(self.preprocess(images))
@@ -179,13 +180,12 @@ class CDTrainer(keras.Model):
 
     def train_step(self, data):
         x = self._visible(data)
-        # (visible, hidden) pairs clamp the hidden layer in the positive phase.
-        hidden = data[1] if isinstance(data, (tuple, list)) and len(data) > 1 else None
+        targets = data[1] if isinstance(data, (tuple, list)) and len(data) > 1 else None
         chain = None if self.chain is None else ops.convert_to_tensor(self.chain)
         if self._shard_step is None:
-            grads, negatives, stats = self._one_shard(x, chain, hidden)
+            grads, negatives, stats = self._one_shard(x, chain, targets)
         else:
-            grads, negatives, stats = sharded_cd_step(self._shard_step, x, self.shards, chain, hidden)
+            grads, negatives, stats = sharded_cd_step(self._shard_step, x, self.shards, chain, targets)
         # Each replica's statistics average its share of the batch; Keras sums replicas' gradients.
         scale = distribute.replica_scale()
         grads = [g * scale for g in grads]
@@ -194,8 +194,8 @@ class CDTrainer(keras.Model):
             self.chain.assign(negatives)
         return self._update_metrics(x, stats)
 
-    def _one_shard(self, x, chain, hidden):
-        return cd_step(self.energy_model, x, self.steps, chain, self.l2, hidden, self.sparsity)
+    def _one_shard(self, x, chain, targets):
+        return cd_step(self.energy_model, x, self.steps, chain, self.l2, self.sparsity)
 
     def test_step(self, data):
         x = self._visible(data)
@@ -203,24 +203,15 @@ class CDTrainer(keras.Model):
         return self._update_metrics(x, stats)
 
 
-_NEEDS_PAIRS = "A clamped decoder rule needs the lower capsules;"
+class DecoderTrainer(CDTrainer):
+    """Trains a capsule decoder's U on (upper, lower) pairs by one of Hauser's decoder rules.
 
-
-class ClampedDecoderTrainer(CDTrainer):
-    """Trains a capsule decoder's U on (upper, lower) pairs by a clamped rule (`CapsuleExperts`).
-
-    `rule="section41"`: Hauser section 4.1's update as printed,
-    `dU_ji = 2 e_ji (z_i x_j^T / (1 + |z_i|^2) - z~_i x~_j^T / (1 + |z~_i|^2))`
-    with `z_i = unsquash(lower_i)`, `z~_i = sum_j e_ji U_ji x_j` and
-    `x~_j = squash(sum_i e_ji U_ji^T z~_i)`. `rule="delta"` (not in the
-    paper): the wake-sleep algorithm's delta rule for generative weights
-    (Hinton, Dayan, Frey and Neal 1995), `dU_ji = 2 e_ji (z_i - z~_i) x_j^T`.
-    Either with L2 weight decay, through the compiled Keras optimizer
-    (`CapsuleExperts.clamped_gradients`). `CDTrainer` with `(upper, lower)`
-    pairs runs the third clamped rule, Algorithm 1's mixing in the negative
-    phase. Metrics per epoch: `code_error` (mean squared error of the
-    decoded pre-activations `z~` against the data's), `p_on` and
-    `free_energy` as for `CDTrainer`.
+    `rule="section41"` (section 4.1's update as printed) or `"delta"` (the
+    wake-sleep delta rule, not in the paper), both in
+    `poecaps.experts.CapsuleExperts`, with L2 weight decay, through the
+    compiled Keras optimizer. `fit(upper, lower)`. Metrics per epoch:
+    `code_error` (mean squared error of the decoded pre-activations `z~`
+    against the data's), `p_on` and `free_energy` as for `CDTrainer`.
 
     Args: `rule`, then `model`, `preprocess`, `l2`, `heldout`, `seed` and
     `shards` as for `CDTrainer` (these rules draw no samples, so CD's steps,
@@ -229,16 +220,21 @@ class ClampedDecoderTrainer(CDTrainer):
 
     def __init__(self, model, rule="section41", preprocess=None, l2=1e-4, heldout=None, seed=None, shards=1,
                  **kwargs):
-        if rule not in CLAMPED_RULES:
-            raise ValueError(f"rule must be one of {CLAMPED_RULES}. Received: rule={rule!r}")
+        if rule not in DECODER_RULES:
+            raise ValueError(f"rule must be one of {DECODER_RULES}. Received: rule={rule!r}")
         super().__init__(model, preprocess, l2=l2, heldout=heldout, seed=seed, shards=shards, **kwargs)
         self.rule = rule
         self.trackers = {name: keras.metrics.Mean(name=name) for name in ("code_error", "p_on", "free_energy")}
 
-    def _one_shard(self, x, chain, hidden):
-        if hidden is None:
-            raise InputError(f"{_NEEDS_PAIRS} fit on (upper, lower) pairs.")
-        ascent, negatives, stats = self.energy_model.clamped_gradients(x, hidden, self.rule)
+    def check_inputs(self, x, y=None):
+        """Raise `InputError` unless `x` (upper capsules) and `y` (their lower capsules) are given and fit."""
+        if y is None:
+            raise InputError("The decoder learns from (upper, lower) pairs; pass the lower capsules as y.")
+        super().check_inputs(x)
+        check_array(y, "y (lower capsules)")
+
+    def _one_shard(self, x, chain, targets):
+        ascent, negatives, stats = self.energy_model.decoder_gradients(x, targets, self.rule)
         return descent(ascent, self.energy_model.trainable_weights, self.l2), negatives, stats
 
     def _update_metrics(self, x, stats):
@@ -247,9 +243,7 @@ class ClampedDecoderTrainer(CDTrainer):
         return {name: tracker.result() for name, tracker in self.trackers.items()}
 
     def test_step(self, data):
-        if not isinstance(data, (tuple, list)) or len(data) < 2:
-            raise InputError(f"{_NEEDS_PAIRS} evaluate on (upper, lower) pairs.")
-        _, _, stats = self.energy_model.clamped_gradients(self._visible(data), data[1], self.rule)
+        _, _, stats = self.energy_model.decoder_gradients(self._visible(data), data[1], self.rule)
         return self._update_metrics(None, stats)
 
 

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from poecaps.capsules import EPSILON, safe_norm, squash
+from poecaps.capsules import norm, safe_norm, squash
 from poecaps.routing.base import Routing, RoutingResult
 
 AGREEMENTS = ("dot", "cosine")
@@ -28,9 +28,11 @@ class DynamicRouting(Routing):
         v_j = squash(z_j)                      (Hauser eq. 4)
         b_ij += agreement(u_{j|i}, v_j)        (dot: u.v;  cosine: u.v/|u||v|)
 
-    and a last `c = softmax(b)`, `z`, `v` give the result. `iterations=0`
-    gives uniform coefficients (the "no routing" ablation). Sabour's `r`
-    routing iterations are `iterations = r - 1` logit updates here.
+    except that the last round makes no update: its `c`, `z` and `v` are the
+    result. So `iterations` counts rounds as Sabour's Procedure 1 counts its
+    r (`iterations=3`: three softmax passes, two agreement updates), and
+    `iterations=0` and `1` both give uniform coefficients (the "no routing"
+    ablation).
 
     `normalize="parents"` makes each lower capsule spread one unit of vote
     over its parents (sum_j c_ij = 1, Sabour's procedure and Hauser's text);
@@ -38,7 +40,7 @@ class DynamicRouting(Routing):
     as Hauser eq. 3 is written).
 
     Args:
-        iterations: number of agreement updates, >= 0.
+        iterations: routing rounds (Sabour's r), >= 0.
         agreement: "dot" or "cosine".
         normalize: "parents" or "children".
 
@@ -80,8 +82,9 @@ class DynamicRouting(Routing):
         uniform coefficients (the logits start at 0), computed without them.
         """
         softmax = lambda b: _softmax(b, softmax_axis)
-        norms = vote_norms() if self.agreement == "cosine" and self.iterations else None
-        for t in range(self.iterations):
+        updates = max(self.iterations - 1, 0)
+        norms = vote_norms() if self.agreement == "cosine" and updates else None
+        for t in range(updates):
             z = uniform_sum() if t == 0 and uniform_sum else weighted_sum(softmax(logits))
             v = squash(z)
             agreement = dot_with_votes(v)
@@ -94,12 +97,12 @@ class DynamicRouting(Routing):
     @staticmethod
     def _compute_dtype(tensor):
         # Routing runs in float32 under mixed precision (float64 stays float64).
-        return "float64" if str(tensor.dtype).endswith("float64") else "float32"
+        return "float64" if keras.backend.standardize_dtype(tensor.dtype) == "float64" else "float32"
 
     @staticmethod
     def _result(c, z):
         poses = squash(z)
-        return RoutingResult(poses, safe_norm(poses, epsilon=EPSILON * EPSILON), c)
+        return RoutingResult(poses, norm(poses), c)
 
     def call(self, votes, activations=None, training=None):
         dtype = self._compute_dtype(votes)

@@ -38,23 +38,23 @@ class EMRouting(Routing):
 
     Args:
         iterations: EM rounds (M-steps), >= 1.
-        final_lambda: inverse temperature of the last round.
+        final_lambda: scale of the inverse temperature. Round t (0-based)
+            uses `lambda_t = final_lambda * (1 - 0.95^(t+1))`, a schedule
+            that rises toward `final_lambda` without reaching it: with 3
+            rounds, 0.05, 0.0975 and 0.1426 of it.
         variance_floor: added to every variance.
         cost_normalization: "none" (the paper's eq. 27) or "standardize":
             the costs of the J parents are standardised (minus their mean,
-            over their standard deviation) before eq. 27, as in widely used
-            reimplementations; use it with `final_lambda` near 1 (lambda_t
-            = 0.05, 0.10, 0.14 over three rounds: on mnist-5k, 3 epochs of
-            the small MatrixCapsNet reach 40.8 % test accuracy with 1 and
-            10.5 % with 20). With the paper's costs, which grow with the
-            number of inputs, every activation saturates together and the
-            network does not learn on MNIST here.
+            over their standard deviation) before eq. 27, as widely used
+            reimplementations do; the logistic's argument is then of order
+            `lambda_t`, so use `final_lambda` near 1. The paper's costs grow
+            with the number of inputs, which saturates the logistic of every
+            parent together unless `final_lambda` is small (0.01).
         implementation: "moments" (default; `em_by_moments`: each round's
             sums as batched matrix-vector products over `[V, V*V]` with a
-            written-out gradient; the training step of `bench/em_step.py`
-            went from 1.86 s to 0.75-0.89 s) or "direct" (the equations
-            above as written, autodiff through every step). They agree to
-            rounding, gradients included (tests/test_em_routing.py).
+            written-out gradient) or "direct" (the equations above as
+            written, autodiff through every step). They agree to rounding,
+            gradients included (tests/test_em_routing.py).
 
     Call arguments:
         votes: `[B, I, J, D]`.

@@ -6,10 +6,7 @@ Writes RUN_DIR/final.npz (the energy model's weights) when training ends.
 
 import argparse
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import keras
 import numpy as np
@@ -17,9 +14,9 @@ import numpy as np
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
 from poecaps.rbm import BernoulliRBM
-from poecaps.resumable import fit_resumable
 from poecaps.routing import DynamicRouting
-from trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.resumable import fit_resumable
 
 
 class Slow(keras.callbacks.Callback):

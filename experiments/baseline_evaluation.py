@@ -6,9 +6,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from poecaps import figures, transforms
-from poecaps.configs import BaselineConfig, BaselineEvaluationConfig
-from poecaps.runs import RunDir
+from poecaps import transforms
+from poecaps.errors import InputError
+from poecaps.experiments import figures
+from poecaps.experiments.configs import BaselineConfig, BaselineEvaluationConfig
+from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.models.saving import load_component
 
 ROTATIONS = (0, 45, 90, 135, 180)
 
@@ -98,15 +101,13 @@ def _figures(model, run, images, labels, config):
 def evaluate_baseline(run_dir, config=None):
     """Compute and write `run_dir/eval.json`; returns the dict (`config`: a `BaselineEvaluationConfig`)."""
     config = config or BaselineEvaluationConfig()
-    from trainers.baselines import load_split
-
-    run = RunDir(run_dir)
-    path = os.path.join(run.models, "baseline.keras")
+    run = RunDir(run_dir, create=False)
+    train_config = read_settings(run, BaselineConfig)
+    path = os.path.join(run.models, "model.keras")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"No trained baseline at {path}; train it first with scripts/baseline.py")
-    train_config = BaselineConfig(**run.read_json("config.json"))
-    model = keras.saving.load_model(path)
-    test, labels, _ = load_split(train_config, "test")
+        raise InputError(f"No trained network at {path}; train it first with scripts/baseline.py.")
+    model = load_component(path)
+    test, labels, _ = load_images(train_config, "test")
     test, labels = test[:config.test_limit or None], labels[:config.test_limit or None]
     predict = compiled_predictor(model, jit_compile=train_config.xla)
     scores, coefficients = predict_in_batches(predict, test, config.batch_size)
@@ -115,7 +116,7 @@ def evaluate_baseline(run_dir, config=None):
     affine = _transformed(lambda x: transforms.random_affine(x, seed=seed), test, config.batch_size)
     result = {
         "model": train_config.model, "dataset": train_config.dataset, "test_images": len(test),
-        "routing_iterations": train_config.iterations,
+        "routing_iterations": train_config.routing_iterations,
         "test_accuracy": float(np.mean(np.argmax(scores, axis=-1) == labels)),
         "affine_accuracy": _accuracy(predict, affine, labels, config.batch_size),
         "rotation_accuracy": {
@@ -127,7 +128,7 @@ def evaluate_baseline(run_dir, config=None):
                     "class_score_hoyer_sparsity": hoyer_sparsity(scores)},
         "train": run.read_json("state.json", {}),
     }
-    result["train"].pop("config", None)
+    result["train"].pop("settings", None)
     result["figures"] = _figures(model, run, test, labels, config)
     figures.image_grid(np.stack([test[:12], affine[:12]]), run.file("affine_examples.png"),
                        title="test images and their random affine transforms",

@@ -3,7 +3,7 @@
 Epoch e visits the training arrays in the order
 `numpy.random.default_rng([seed, e]).permutation(N)`, a pure function of the
 seed and the epoch, so a resumed run sees the very batches it would have
-seen. Checkpoints (`poecaps.checkpoints`) are written every `save_every`
+seen. Checkpoints (`poecaps.trainers.checkpoints`) are written every `save_every`
 steps and at the end of every epoch; `resume=True` restores the newest good
 one, finishes its epoch from the next step and goes on. Together with the
 trainer's own `SeedGenerator` states, which the checkpoint holds, a run
@@ -14,9 +14,10 @@ reaches (up to float tolerance).
 import keras
 import numpy as np
 
-from poecaps.checkpoints import CheckpointManager
 from poecaps.errors import InputError
-from poecaps.guard import POLICIES, NonFiniteGuard
+from poecaps.trainers import NAN_POLICIES
+from poecaps.trainers.checkpoints import CheckpointManager
+from poecaps.trainers.guard import NonFiniteGuard
 
 
 def epoch_order(seed, epoch, size):
@@ -131,8 +132,8 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     Returns:
         The merged history dict (`{metric: [per-epoch values]}`) of this call.
     """
-    if on_nan not in POLICIES:
-        raise InputError(f"on_nan must be one of {POLICIES}. Received: on_nan={on_nan!r}")
+    if on_nan not in NAN_POLICIES:
+        raise InputError(f"on_nan must be one of {NAN_POLICIES}. Received: on_nan={on_nan!r}")
     if save_every < 0:
         raise InputError(f"save_every must be >= 0. Received: save_every={save_every}")
     arrays = (x,) if y is None else (x, y)

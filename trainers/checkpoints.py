@@ -3,7 +3,7 @@
 A checkpoint is one `.npz` file holding every variable of the trainer (weights,
 non-trainable state such as persistent chains, and the `SeedGenerator` states
 that make its random draws), every optimizer variable (step counter, momenta),
-the learning-rate scale of `poecaps.guard`, and a JSON header: where training
+the learning-rate scale of `poecaps.trainers.schedule`, and a JSON header: where training
 stood (`epoch`, `step` within it, `global_step`), the run's configuration, each
 variable's name and shape, and a SHA-256 digest of all arrays. It is written to
 a temporary file, flushed to disk and renamed, so a run killed at any moment
@@ -21,14 +21,13 @@ import re
 import numpy as np
 
 from poecaps.errors import CheckpointError
+from poecaps.trainers.schedule import learning_rate_scale
 
 _PATTERN = re.compile(r"ckpt-(\d{9})\.npz$")
 
 
 def trainer_state(trainer):
     """The variables a checkpoint holds, in a fixed order: trainer, optimizer, LR scale."""
-    from poecaps.guard import learning_rate_scale
-
     variables = list(trainer.variables)
     if getattr(trainer, "optimizer", None) is not None:
         variables += list(trainer.optimizer.variables)

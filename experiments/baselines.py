@@ -1,0 +1,114 @@
+"""Train a supervised capsule baseline (CapsNet or matrix capsules) into a run directory."""
+
+import dataclasses
+import json
+import os
+import time
+
+import keras
+import numpy as np
+
+from poecaps import distribute
+from poecaps.errors import InputError
+from poecaps.experiments.configs import BaselineConfig
+from poecaps.experiments.runs import RunDir, load_images
+from poecaps.models import CapsNet, MatrixCapsNet
+from poecaps.models.matrix_capsnet import CHUNK_CAPSULES
+from poecaps.models.saving import save_component
+from poecaps.trainers.resumable import fit_resumable
+from poecaps.trainers.schedule import ScaledSchedule
+from poecaps.trainers.shards import default_shards
+from poecaps.trainers.supervised import SupervisedTrainer
+
+# Settings that fix the data or the model's shape: a resumed run must keep them.
+ARCHITECTURE = ("model", "dataset", "limit", "seed", "batch_size", "routing_iterations", "reconstruction",
+                "em_size", "em_cost_normalization", "em_final_lambda")
+
+
+def train_shards(config):
+    """Concurrent XLA parts of each train step: `shards`, or 2 on a CPU under XLA, else 1."""
+    if config.shards is not None:
+        return config.shards
+    return default_shards() if config.xla else 1
+
+
+def build_network(config, image_shape, num_classes, steps_per_epoch):
+    """The baseline's network for `config`: `CapsNet` or `MatrixCapsNet`."""
+    if config.model == "capsnet":
+        return CapsNet(image_shape, num_classes, routing_iterations=config.routing_iterations,
+                       reconstruction=config.reconstruction, seed=config.seed)
+    sizes = {"a": 64, "b": 8, "c": 16, "d": 16} if config.em_size == "small" else {"a": 32, "b": 32, "c": 32, "d": 32}
+    return MatrixCapsNet(image_shape, num_classes, routing_iterations=config.routing_iterations,
+                         final_lambda=config.em_final_lambda, cost_normalization=config.em_cost_normalization,
+                         margin_steps=max(1, config.epochs * steps_per_epoch),
+                         chunk_capsules=CHUNK_CAPSULES if config.xla else None,  # chunks pay under XLA
+                         **sizes)
+
+
+class _MetricsLog(keras.callbacks.Callback):
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.run.append_metrics({"stage": "baseline", "epoch": epoch,
+                                 **{k: float(v) for k, v in (logs or {}).items()}})
+
+
+def train_baseline(config, run_dir, record=None, resume=False):
+    """Train into `run_dir` (resuming from the last checkpoint); returns the trained network.
+
+    `record` is what `config.json` keeps besides the settings (kind, preset,
+    overrides). The network is saved as `models/model.keras`.
+    """
+    if not isinstance(config, BaselineConfig):
+        raise InputError(f"config must be a BaselineConfig. Received: {type(config).__name__}")
+    keras.utils.set_random_seed(config.seed)
+    run = RunDir(run_dir)
+    state = run.read_json("state.json", {}) if resume else {}
+    if resume and state.get("kind", "baseline") != "baseline":
+        raise InputError(f"{run_dir} holds a {state.get('kind')} run, not a baseline; use another --run-dir.")
+    trained = state.get("settings") or {}
+    changed = [k for k in ARCHITECTURE if k in trained and trained[k] != getattr(config, k)]
+    if changed:
+        raise InputError(f"{run_dir} was trained with other {', '.join(changed)}; resume it "
+                         "with the same values or use a new --run-dir.")
+    if not resume:
+        for name in ("metrics.jsonl", "faults.jsonl"):
+            if os.path.exists(run.file(name)):
+                os.remove(run.file(name))
+    strategy = distribute.get_strategy(config.strategy)
+    settings = dataclasses.asdict(config)
+    run.write_json("config.json", {**(record or {"kind": "baseline", "preset": None, "overrides": {}}),
+                                   "settings": settings})
+    train, train_labels, source = load_images(config, "train")
+    test, test_labels, _ = load_images(config, "test")
+    num_classes = int(max(train_labels.max(), test_labels.max())) + 1
+    steps = int(np.ceil(len(train) / config.batch_size))
+    print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
+    with strategy.scope(), distribute.precision_policy(config.precision):
+        network = build_network(config, train.shape[1:], num_classes, steps)
+        trainer = SupervisedTrainer(network, max_shift=config.max_shift, seed=config.seed,
+                                    shards=train_shards(config))
+        schedule = keras.optimizers.schedules.ExponentialDecay(
+            config.learning_rate, decay_steps=steps, decay_rate=config.decay_rate)
+        # Scaled so that the NaN guard can halve it (poecaps.trainers.guard).
+        trainer.compile(optimizer=keras.optimizers.Adam(ScaledSchedule(schedule)), jit_compile=config.xla)
+        callbacks = [keras.callbacks.TensorBoard(run.logs, write_graph=False), _MetricsLog(run)]
+        start = time.perf_counter()
+        history = fit_resumable(
+            trainer, train, train_labels, epochs=config.epochs, batch_size=config.batch_size,
+            seed=config.seed, checkpoint_dir=os.path.join(run.checkpoints, "baseline"),
+            checkpoint_config={k: getattr(config, k) for k in ARCHITECTURE},
+            resume=resume, save_every=config.save_every, on_nan=config.on_nan,
+            fault_log=run.file("faults.jsonl"), callbacks=callbacks,
+            validation_data=(test, test_labels))
+        seconds = time.perf_counter() - start
+        save_component(network, os.path.join(run.models, "model.keras"))
+    epochs_run = len(history.get("loss", []))
+    state = {"kind": "baseline", "settings": settings, "seconds": seconds,
+             "seconds_per_epoch": seconds / max(epochs_run, 1), "epochs_this_call": epochs_run}
+    run.write_json("state.json", state)
+    print(json.dumps({"train_seconds": round(seconds, 1),
+                      "seconds_per_epoch": round(state["seconds_per_epoch"], 1)}))
+    return network

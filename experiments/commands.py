@@ -1,0 +1,106 @@
+"""The command-line programs: parse, then call one function. TensorFlow loads only after parsing.
+
+Installed, each is a console script (`poecaps-train-layerwise`, ...); from a
+checkout, `python scripts/<name>.py` runs the same function.
+"""
+
+import json
+import os
+
+from poecaps.experiments import cli
+from poecaps.experiments.configs import DOMAINS, STAGES, EvaluationConfig
+from poecaps.experiments.settings import specs
+
+
+def _train_layerwise(argv=None):
+    p = cli.parser("Train the products of expert capsules layer by layer (and the RBM baseline), then "
+                   "draw the result grid and evaluate the run.", "layerwise", "default")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    cli.add_shortcuts(p, "layerwise", ("seed", "dataset", "data_dir", "limit"))
+    p.add_argument("--stage", choices=STAGES, action="append",
+                   help="train only this stage (repeatable); default: all, in order")
+    p.add_argument("--no-evaluate", action="store_true", help="train only: no result grid, no eval.json")
+    args = p.parse_args(argv)
+    config, record = cli.config_from_args("layerwise", args, ("seed", "dataset", "data_dir", "limit"))
+    from poecaps.experiments.api import run_layerwise  # TensorFlow: after --help
+
+    run_layerwise(config, args.run_dir, record, stages=args.stage or STAGES, resume=args.resume,
+                  evaluate=not args.no_evaluate)
+
+
+def _sample(argv=None):
+    p = cli.parser("Draw the Figure 2 grid from capsule space: RUN/samples.png and RUN/samples.npz.")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
+    p.add_argument("--rows", type=int, default=None, help="draws per capsule (default: the run's sample_rows)")
+    p.add_argument("--domain", choices=DOMAINS, default=None,
+                   help="full, restricted (side of each capsule's mean training direction) or winning "
+                        "(side its winning training poses visit); default: the run's sample_domain")
+    args = p.parse_args(argv)
+    from poecaps.experiments.sampling import sample_run  # TensorFlow: after --help
+
+    found = sample_run(args.run_dir, rows=args.rows, domain=args.domain, seed=args.seed)
+    print(f"wrote {found['png']} and {found['npz']} (images {found['shape']}): "
+          f"{found['classes_covered']} classes, mean purity {found['mean_purity']:.3f}"
+          if "classes_covered" in found else f"wrote {found['png']} and {found['npz']}")
+
+
+def _evaluate(argv=None):
+    p = cli.parser("Evaluate a layer-wise run: write RUN/eval.json and print it.")
+    for name, spec in specs(EvaluationConfig).items():
+        default = getattr(EvaluationConfig(), name)
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
+                       help=f"{spec.help} (default: {default})")
+    args = p.parse_args(argv)
+    config = cli.config_from_flags(EvaluationConfig, args)
+    from poecaps.experiments.evaluation import evaluate_run  # TensorFlow: after --help
+
+    print(json.dumps(evaluate_run(args.run_dir, config), indent=2))
+
+
+def _baseline(argv=None):
+    p = cli.parser("Train and evaluate a supervised capsule baseline: CapsNet (dynamic routing) or "
+                   "matrix capsules (EM routing).", "baseline", "sabour2017",
+                   run_dir_default=os.path.join("runs", "baseline"))
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    shortcuts = ("seed", "dataset", "data_dir", "limit", "epochs")
+    cli.add_shortcuts(p, "baseline", shortcuts)
+    p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
+    p.add_argument("--test-limit", default=None, metavar="N", help="evaluate on only this many test images")
+    args = p.parse_args(argv)
+    from poecaps.experiments.baseline_evaluation import (
+        evaluate_baseline,  # TensorFlow: after --help
+    )
+    from poecaps.experiments.baselines import train_baseline
+    from poecaps.experiments.configs import BaselineEvaluationConfig
+    from poecaps.experiments.settings import SettingError, with_values
+
+    evaluation = with_values(BaselineEvaluationConfig(), {
+        name: value for name, value in (("test_limit", args.test_limit), ("seed", args.seed)) if value is not None})
+    if args.evaluate_only:
+        given = [flag for flag, value in (("--set", args.set), ("--resume", args.resume), ("--dataset", args.dataset),
+                                          ("--data-dir", args.data_dir), ("--limit", args.limit),
+                                          ("--epochs", args.epochs)) if value]
+        if given:
+            raise SettingError(f"--evaluate-only evaluates the run as it was trained; it takes no "
+                               f"{', '.join(given)}.")
+    else:
+        config, record = cli.config_from_args("baseline", args, shortcuts)
+        train_baseline(config, args.run_dir, record, resume=args.resume)
+    result = evaluate_baseline(args.run_dir, evaluation)
+    print(json.dumps(result, indent=2))
+
+
+def train_layerwise(argv=None):
+    return cli.run_main(_train_layerwise, argv)
+
+
+def sample(argv=None):
+    return cli.run_main(_sample, argv)
+
+
+def evaluate(argv=None):
+    return cli.run_main(_evaluate, argv)
+
+
+def baseline(argv=None):
+    return cli.run_main(_baseline, argv)

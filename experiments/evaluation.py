@@ -1,0 +1,231 @@
+"""Evaluate a layer-wise run: reconstruction, linear probes, groups by capsule, sample specialisation.
+
+The same figures are computed for the capsule path and for the Bernoulli
+RBM trained on the same data and budget. A reference classifier (a small
+CNN trained once per run on the real images) names the sampled images.
+"""
+
+import contextlib
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+
+from poecaps import metrics
+from poecaps.experiments import figures
+from poecaps.experiments.configs import DOMAINS, EvaluationConfig, LayerwiseConfig
+from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.experiments.trained import load_pipeline, load_rbm
+from poecaps.graphs import batched
+from poecaps.samplers import CapsuleSampler, RBMSampler
+
+
+@contextlib.contextmanager
+def _phase(what):
+    """Report a step of the evaluation and its time on stderr (stdout carries the JSON)."""
+    print(f"[evaluate] {what} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"[evaluate] {what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def _classifier(run, train, train_labels, test, test_labels, config):
+    path = os.path.join(run.models, "reference_classifier.keras")
+    if os.path.exists(path):
+        model = keras.saving.load_model(path)
+    else:
+        model = metrics.reference_classifier(train.shape[1:], int(train_labels.max()) + 1, config.seed)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the figures (JSON)
+            model.fit(train, train_labels, epochs=config.classifier_epochs, batch_size=128, verbose=2)
+        model.save(path)
+    accuracy = float(np.mean(_predict(model, test) == test_labels))
+    return model, accuracy
+
+
+def _predict(classifier, images):
+    return np.argmax(classifier.predict(images, batch_size=512, verbose=0), axis=-1)
+
+
+def _specialisation(classifier, images, classes):
+    rows, cols = images.shape[:2]
+    predicted = _predict(classifier, images.reshape(rows * cols, *images.shape[2:]))
+    return metrics.specialisation(predicted.reshape(rows, cols), classes)
+
+
+def _paper_sampler_draws(pipeline, classifier, classes, config):
+    """The paper's N(0, I) grid, `config.draws` draws of `config.rows` per capsule in each domain.
+
+    Draw k uses `CapsuleSampler(seed=config.seed + k)`. `samples_<domain>`
+    is draw 0; `samples_<domain>_draws` lists every draw's classes and
+    purity, since one draw can cover a class more or less by chance.
+    """
+    found = {}
+    seeds = [config.seed + k for k in range(config.draws)]
+    for domain in DOMAINS:
+        drawn = [_specialisation(classifier, CapsuleSampler(pipeline, seed=s).sample(config.rows, domain)["images"],
+                                 classes) for s in seeds]
+        found[f"samples_{domain}"] = drawn[0]
+        found[f"samples_{domain}_draws"] = {"sampler_seeds": seeds,
+                                            "classes_covered": [d["classes_covered"] for d in drawn],
+                                            "mean_purity": [d["mean_purity"] for d in drawn]}
+        print(f"[evaluate] N(0, I), {domain} domain, {config.draws} draws: classes "
+              f"{found[f'samples_{domain}_draws']['classes_covered']}, mean purity "
+              f"{[round(d['mean_purity'], 3) for d in drawn]}", file=sys.stderr, flush=True)
+    return found
+
+
+def _result_grid(run, classifier, classes):
+    """The classes and purity of the run's own grid, `samples.npz` (None if there is none)."""
+    path = run.file("samples.npz")
+    if not os.path.exists(path):
+        return None
+    with np.load(path) as stored:
+        images, domain, seed = stored["images"], str(stored["domain"]), int(stored["seed"])
+    found = {"domain": domain, "seed": seed, "rows": int(images.shape[0]),
+             **_specialisation(classifier, images, classes)}
+    print(f"[evaluate] the result grid (samples.npz, {domain} domain, {images.shape[0]} rows): "
+          f"{found['classes_covered']} classes, mean purity {found['mean_purity']:.3f}",
+          file=sys.stderr, flush=True)
+    return found
+
+
+def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classes, run, config):
+    """The baseline's figures: reconstruction, probe on P(on), samples' specialisation."""
+    flat = lambda x: x.reshape(len(x), -1)
+    hidden_train, hidden_test = batched(rbm.p_on, flat(train)), batched(rbm.p_on, flat(test))
+    rbm_images = RBMSampler(rbm, train.shape[1:], seed=config.seed).sample(config.rows)["images"]
+    figures.image_grid(rbm_images[:4], run.file("rbm_samples.png"),
+                       title="Bernoulli RBM: one column per hidden unit")
+    return {
+        "hidden_units": rbm.num_hidden,
+        "reconstruction_mse": metrics.mse(
+            test, batched(rbm.reconstruct, flat(test)).reshape(test.shape)),
+        "probe_accuracy_hidden": metrics.linear_probe(
+            hidden_train, train_labels, hidden_test, test_labels),
+        "samples_full": _specialisation(classifier, rbm_images, classes),
+        "probability_selectivity": metrics.class_selectivity(hidden_test, test_labels, classes),
+    }
+
+
+def _named_prototypes(classifier, images):
+    """The reference classifier's class for each prototype image, and how many distinct classes."""
+    named = _predict(classifier, images)
+    return {"named": [int(c) for c in named], "classes_covered": len(set(named.tolist()))}
+
+
+def _kmeans_reference(train, test, test_labels, classifier, classes, k, seed):
+    """What k pixel prototypes reach on the same figures as the J capsules.
+
+    `clusters`: the test images grouped by their nearest centroid, as
+    `longest_capsule_clusters` groups them by their longest capsule.
+    `centroids`: each centroid, shown to the reference classifier as an
+    image, as a capsule's sample is; `classes_covered` counts the distinct
+    classes it names (the best a sampler that always drew the cluster mean
+    could reach).
+    """
+    flat = lambda x: x.reshape(len(x), -1)
+    centroids, _ = metrics.kmeans(flat(train), k, seed=seed)
+    return {"clusters": metrics.cluster_purity(metrics.nearest_centroid(flat(test), centroids),
+                                               test_labels, classes, k),
+            "centroids": _named_prototypes(classifier, centroids.reshape(k, *train.shape[1:]).astype("float32"))}
+
+
+def _class_mean_reference(train, train_labels, classifier, classes):
+    """The reference classifier on each class's mean training image.
+
+    What a sampler that drew each class's prototype would show. A guide to
+    what blurred, prototype-like samples can cover, not a bound: a blurred
+    sample is not a class mean, and may be named otherwise.
+    """
+    present = [c for c in range(classes) if np.any(train_labels == c)]
+    means = np.stack([train[train_labels == c].mean(axis=0) for c in present]).astype("float32")
+    named = _named_prototypes(classifier, means)
+    return {"classes": present, **named,
+            "named_as_itself": int(np.sum(np.asarray(named["named"]) == np.asarray(present)))}
+
+
+def _capsule_figures(pipeline, train, train_labels, test, test_labels, classifier, classes, run, config):
+    """Everything `eval.json` says about the capsule path (`poecaps`)."""
+    with _phase(f"capsules of {len(train)} training and {len(test)} test images, reconstructions"):
+        test_upper = batched(pipeline.encode, test)
+        train_upper = batched(pipeline.encode, train)
+        reconstruction = batched(pipeline.decode_upper, test_upper)
+        autoencoder_only = batched(pipeline.autoencoder, test)
+    test_lengths, train_lengths = np.linalg.norm(test_upper, axis=-1), np.linalg.norm(train_upper, axis=-1)
+    with _phase("linear probes"):
+        probes = (metrics.linear_probe(train_upper, train_labels, test_upper, test_labels),
+                  metrics.linear_probe(train_lengths, train_labels, test_lengths, test_labels))
+    found = {
+        "reconstruction_mse": metrics.mse(test, reconstruction),
+        "autoencoder_only_mse": metrics.mse(test, autoencoder_only),
+        "probe_accuracy_vectors": probes[0],
+        "probe_accuracy_lengths": probes[1],
+        "mean_p_on_test": float(np.mean(test_lengths)),
+        "length_selectivity": metrics.class_selectivity(test_lengths, test_labels, classes),
+        # Does the whole capsule code keep the class? The reference classifier on
+        # test images reconstructed through the capsule path.
+        "reconstruction_class_accuracy": float(np.mean(_predict(classifier, reconstruction) == test_labels)),
+    }
+    # What one capsule can show at best (a Figure 2 sample has one capsule on):
+    # each test image's code cut to its longest capsule, decoded and labelled;
+    # the images grouped by their longest capsule, by true class and by the
+    # class of that one-capsule decoding.
+    with _phase("one-capsule decodings"):
+        one_capsule = _predict(classifier, batched(pipeline.decode_upper, metrics.keep_longest(test_upper)))
+    found["one_capsule_reconstruction_class_accuracy"] = float(np.mean(one_capsule == test_labels))
+    found["longest_capsule_clusters"] = metrics.longest_capsule_clusters(test_lengths, test_labels, classes)
+    found["one_capsule_decoded_clusters"] = metrics.longest_capsule_clusters(test_lengths, one_capsule, classes)
+    # The same groups split by the side of each capsule's principal axis that
+    # the pose lies on (P(on) cannot tell the sides apart).
+    longest_moments = metrics.longest_pose_second_moments(train_upper)[0]
+    axes = metrics.principal_axes(longest_moments, metrics.mean_directions(train_upper))
+    found["longest_capsule_side_clusters"] = metrics.longest_capsule_side_clusters(
+        test_upper, test_labels, classes, axes)
+    found["one_capsule_decoded_side_clusters"] = metrics.longest_capsule_side_clusters(
+        test_upper, one_capsule, classes, axes)
+    share = metrics.principal_share(metrics.pose_second_moments(train_upper))
+    found["pose_principal_share"] = {"per_capsule": [float(v) for v in share], "mean": float(share.mean())}
+    found["training_images_longest"] = np.bincount(
+        np.argmax(train_lengths, axis=1), minlength=pipeline.num_upper).tolist()
+    with _phase(f"samples, {config.draws} draws of {config.rows} per capsule in each domain"):
+        found.update(_paper_sampler_draws(pipeline, classifier, classes, config))
+    shown = np.linspace(0, len(test) - 1, 12).astype(int)  # spread over classes
+    figures.image_grid(np.stack([test[shown], reconstruction[shown]]), run.file("reconstructions.png"),
+                       title="test images (top) and their reconstructions through the capsule path",
+                       row_labels=["data", "capsules"])
+    return found
+
+
+def evaluate_run(run_dir, config=None):
+    """Compute and write `run_dir/eval.json`; returns the dict (`config`: an `EvaluationConfig`)."""
+    config = config or EvaluationConfig()
+    run = RunDir(run_dir, create=False)
+    train_config = read_settings(run, LayerwiseConfig)
+    pipeline = load_pipeline(run, train_config)
+    train, train_labels, _ = load_images(train_config, "train")
+    test, test_labels, _ = load_images(train_config, "test")
+    classes = int(max(train_labels.max(), test_labels.max())) + 1
+    with _phase("reference classifier"):
+        classifier, classifier_accuracy = _classifier(run, train, train_labels, test, test_labels, config)
+    result = {"dataset": train_config.dataset, "train_images": len(train), "test_images": len(test),
+              "reference_classifier_test_accuracy": classifier_accuracy}
+    grid = _result_grid(run, classifier, classes)
+    if grid is not None:
+        result["result_grid"] = grid
+    result["poecaps"] = _capsule_figures(pipeline, train, train_labels, test, test_labels, classifier,
+                                         classes, run, config)
+    if config.kmeans:
+        with _phase(f"pixel k-means reference ({pipeline.num_upper} clusters)"):
+            result["pixel_kmeans"] = _kmeans_reference(train, test, test_labels, classifier, classes,
+                                                       pipeline.num_upper, config.seed)
+    result["class_mean_reference"] = _class_mean_reference(train, train_labels, classifier, classes)
+    rbm = load_rbm(run)
+    if rbm is not None:
+        with _phase("Bernoulli RBM"):
+            result["rbm"] = _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classes,
+                                         run, config)
+    run.write_json("eval.json", result)
+    return result

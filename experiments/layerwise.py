@@ -1,0 +1,285 @@
+"""The layer-wise run of the products of expert capsules (Hauser Figure 1), its result grid and evaluation.
+
+Stages, in order: the conv autoencoder front end (backprop), the capsule
+encoder W (CD, Algorithm 1), the capsule decoder U (section 4.1, by the rule
+`decoder_rule` names) and the Bernoulli RBM baseline on the same data and
+budget. Each stage's output on held-out data must be finite before the next
+one starts.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+import keras
+import numpy as np
+
+from poecaps import distribute, metrics
+from poecaps.capsules import with_length
+from poecaps.errors import InputError, NonFiniteError
+from poecaps.experiments import figures
+from poecaps.experiments.configs import STAGES, LayerwiseConfig
+from poecaps.experiments.runs import RunDir, load_images
+from poecaps.experts import CapsuleExperts
+from poecaps.graphs import batched
+from poecaps.layers import ConvAutoencoder
+from poecaps.models.capsule_pipeline import CapsulePipeline, decoder_kernel_from_encoder
+from poecaps.models.saving import save_component
+from poecaps.rbm import BernoulliRBM
+from poecaps.routing import DynamicRouting
+from poecaps.trainers.autoencoder import AutoencoderTrainer
+from poecaps.trainers.cd import (
+    CDTrainer,
+    DecoderTrainer,
+    FreeEnergyGap,
+    OffCapsulesWarning,
+    default_optimizer,
+)
+from poecaps.trainers.resumable import fit_resumable
+from poecaps.trainers.shards import default_shards
+
+# Settings that fix the data, a component's shape or what its weights mean: a resumed run keeps them.
+ARCHITECTURE = ("dataset", "limit", "seed", "batch_size", "filters", "kernel_size", "strides",
+                "capsule_dim", "num_capsules", "upper_dim", "routing_iterations", "agreement", "normalize",
+                "center_code", "decoder_rule", "decoder_input", "decoder_length", "rbm_hidden")
+
+
+class _MetricsLog(keras.callbacks.Callback):
+    def __init__(self, run, stage):
+        super().__init__()
+        self.run, self.stage = run, stage
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.run.append_metrics({"stage": self.stage, "epoch": epoch,
+                                 **{k: float(v) for k, v in (logs or {}).items()}})
+
+
+def _fit(trainer, x, config, run, stage, epochs, resume, validation_data=None, y=None, callbacks=()):
+    callbacks = list(callbacks)
+    if isinstance(trainer, CDTrainer) and trainer.heldout is not None and y is None:
+        callbacks.append(FreeEnergyGap(x[:len(trainer.heldout)], trainer.heldout))
+    callbacks += [keras.callbacks.TensorBoard(os.path.join(run.logs, stage), write_graph=False),
+                  _MetricsLog(run, stage)]
+    fit_resumable(trainer, x, y, epochs=epochs, batch_size=config.batch_size, seed=config.seed,
+                  checkpoint_dir=os.path.join(run.checkpoints, stage),
+                  checkpoint_config={k: getattr(config, k) for k in ARCHITECTURE},
+                  resume=resume, save_every=config.save_every, on_nan=config.on_nan,
+                  fault_log=run.file("faults.jsonl"), callbacks=callbacks,
+                  validation_data=validation_data)
+
+
+def _capsule_model(num_capsules, capsule_dim, config, normalize, seed, init_stddev):
+    routing = DynamicRouting(config.routing_iterations, agreement=config.agreement, normalize=normalize)
+    return CapsuleExperts(num_capsules, capsule_dim, routing=routing,
+                          kernel_initializer=keras.initializers.RandomNormal(stddev=init_stddev, seed=seed))
+
+
+def stage_l2(config, stage):
+    """L2 weight decay of a CD stage: `decoder_l2` for the decoder when set, else `l2`."""
+    if stage == "decoder" and config.decoder_l2 is not None:
+        return config.decoder_l2
+    return config.l2
+
+
+def cd_trainer(stage, model, config, steps_per_epoch, heldout):
+    """The compiled trainer of the "encoder" (CD with the sparsity costs) or "decoder" (`decoder_rule`) stage."""
+    shards = 1
+    if config.jit_cd:
+        shards = default_shards() if config.cd_shards is None else config.cd_shards
+    l2 = stage_l2(config, stage)
+    if stage == "decoder":
+        trainer = DecoderTrainer(model, config.decoder_rule, l2=l2, heldout=heldout, seed=config.seed,
+                                 shards=shards)
+        learning_rate = config.decoder_learning_rate
+    else:
+        trainer = CDTrainer(model, steps=config.cd_steps, persistent=config.persistent,
+                            chain_shape=(config.batch_size, *heldout.shape[1:]) if config.persistent else None,
+                            l2=l2, heldout=heldout, seed=config.seed, sparsity_target=config.sparsity_target,
+                            sparsity_cost=config.sparsity_cost, shards=shards,
+                            population_sparsity_cost=config.population_sparsity_cost)
+        learning_rate = config.cd_learning_rate
+    trainer.compile(optimizer=default_optimizer(learning_rate, steps_per_epoch, config.decay_rate,
+                                                config.momentum),
+                    jit_compile=config.jit_cd)
+    return trainer
+
+
+def check_finite_outputs(stage, outputs, setting):
+    """Accept a stage only if its outputs on held-out data are all finite; else `NonFiniteError`."""
+    bad = int(np.size(outputs) - np.count_nonzero(np.isfinite(outputs)))
+    if bad:
+        raise NonFiniteError(f"The {stage} stage produced {bad} NaN or infinite values on held-out data, "
+                             f"so no later stage starts on it. Lower {setting} (or set on_nan=reduce-lr) "
+                             "and train the stage again.")
+
+
+def _check_encoder_stage(pipeline, config, run):
+    """The decoder stage needs the trained encoder and the mean code it was trained with."""
+    if pipeline.encoder is None:
+        raise InputError(f"No trained encoder in {run.models}; train the 'encoder' stage first.")
+    if config.center_code and pipeline.code_mean is None:
+        raise InputError(f"center_code is on, but {run.models} has no code_mean.npy, the mean code the "
+                         "encoder's capsules were centred with; train the 'encoder' stage again.")
+
+
+def _train_autoencoder(config, run, images, heldout, resume):
+    ae = ConvAutoencoder(config.filters, config.kernel_size, config.strides, config.dropout, seed=config.seed)
+    ae.build((None, *images.shape[1:]))
+    trainer = AutoencoderTrainer(ae)
+    trainer.compile(optimizer=keras.optimizers.Adam(config.ae_learning_rate))
+    _fit(trainer, images, config, run, "autoencoder", config.ae_epochs, resume, validation_data=(heldout,))
+    check_finite_outputs("autoencoder", batched(ae.encode, heldout), "ae_learning_rate")
+    save_component(ae, os.path.join(run.models, "autoencoder.keras"))
+    figures.filters(keras.ops.convert_to_numpy(ae.kernel1), run.file("filters.png"))
+
+
+def _train_encoder(config, run, pipeline, codes, heldout_images, steps, resume):
+    code_mean_path = os.path.join(run.models, "code_mean.npy")
+    if os.path.exists(code_mean_path):
+        os.remove(code_mean_path)
+    pipeline.code_mean = codes.mean(axis=0) if config.center_code else None
+    if pipeline.code_mean is not None:
+        np.save(code_mean_path, pipeline.code_mean)
+    lower = batched(pipeline.capsules_from_code, codes)
+    heldout_lower = batched(pipeline.lower_capsules, heldout_images)
+    encoder = _capsule_model(config.num_capsules, config.upper_dim, config, config.normalize, config.seed,
+                             config.init_stddev)
+    encoder.build((None, *lower.shape[1:]))
+    trainer = cd_trainer("encoder", encoder, config, steps, heldout_lower)
+    _fit(trainer, lower, config, run, "encoder", config.encoder_epochs, resume, callbacks=[OffCapsulesWarning()])
+    check_finite_outputs("encoder", batched(encoder, heldout_lower), "cd_learning_rate")
+    save_component(encoder, os.path.join(run.models, "encoder.keras"))
+
+
+def _train_decoder(config, run, pipeline, codes, heldout_images, steps, resume):
+    _check_encoder_stage(pipeline, config, run)
+    lower = batched(pipeline.capsules_from_code, codes)
+    upper = batched(pipeline.upper_capsules, lower)
+    heldout_upper = batched(pipeline.encode, heldout_images)
+    check_finite_outputs("encoder", np.concatenate([upper.ravel(), heldout_upper.ravel()]), "cd_learning_rate")
+    # Each lower capsule's coefficients sum to one over the upper capsules,
+    # as the encoder's do ("children" of the decoder are the upper capsules).
+    decoder = _capsule_model(lower.shape[1], lower.shape[2], config, "children", config.seed + 1, 0.01)
+    decoder.build((None, upper.shape[1], upper.shape[2] + int(config.decoder_length)))
+    # Starts as the encoder's own down pass (Algorithm 1's reconstruction).
+    decoder.kernel.assign(decoder_kernel_from_encoder(pipeline.encoder, config.decoder_length))
+    inputs = upper
+    if config.decoder_input == "longest":
+        # Each image's code cut to its longest capsule (the others 0), so the
+        # decoder learns what one capsule alone stands for, as a Figure 2
+        # sample asks of it; the targets stay the whole image's capsules.
+        inputs, heldout_upper = metrics.keep_longest(upper), metrics.keep_longest(heldout_upper)
+    if config.decoder_length:
+        inputs, heldout_upper = (keras.ops.convert_to_numpy(with_length(v)) for v in (inputs, heldout_upper))
+    trainer = cd_trainer("decoder", decoder, config, steps, heldout_upper)
+    _fit(trainer, inputs, config, run, "decoder", config.decoder_epochs, resume, y=lower)
+    check_finite_outputs("decoder", batched(decoder, heldout_upper), "decoder_learning_rate")
+    save_component(decoder, os.path.join(run.models, "decoder.keras"))
+    # The sampler's halves of capsule space (`poecaps.samplers.CapsuleSampler`).
+    np.save(os.path.join(run.models, "mean_directions.npy"), metrics.mean_directions(upper).astype("float32"))
+    np.save(os.path.join(run.models, "winning_axes.npy"), metrics.winning_side_axes(upper).astype("float32"))
+
+
+def train_stage(stage, config, run, train, test, resume=False):
+    """Train one capsule stage ("autoencoder", "encoder" or "decoder") and save it under `run/models`."""
+    heldout = test[:config.heldout_size]
+    steps = int(np.ceil(len(train) / config.batch_size))
+    if stage == "autoencoder":
+        return _train_autoencoder(config, run, train, heldout, resume)
+    if stage not in ("encoder", "decoder"):
+        raise InputError(f"stage must be one of {STAGES[:3]}. Received: stage={stage!r}")
+    pipeline = CapsulePipeline.load(run.models, config.capsule_dim)
+    print("Computing the front end's code of the training images ...", flush=True)
+    codes = batched(pipeline.autoencoder.encode, train)
+    check_finite_outputs("autoencoder", codes, "ae_learning_rate")
+    train_part = _train_encoder if stage == "encoder" else _train_decoder
+    return train_part(config, run, pipeline, codes, heldout, steps, resume)
+
+
+def train_rbm(config, run, train, test, resume=False):
+    """The Bernoulli RBM baseline: same pixels, batch size and epochs as the capsule encoder."""
+    flat = train.reshape(len(train), -1)
+    heldout = test[:config.heldout_size].reshape(-1, flat.shape[1])
+    rbm = BernoulliRBM(config.rbm_hidden, seed=config.seed)
+    rbm.build((None, flat.shape[1]))
+    trainer = CDTrainer(rbm, steps=config.cd_steps, l2=stage_l2(config, "rbm"), heldout=heldout, seed=config.seed)
+    trainer.compile(optimizer=default_optimizer(config.rbm_learning_rate,
+                                                int(np.ceil(len(flat) / config.batch_size)),
+                                                config.decay_rate, config.momentum))
+    _fit(trainer, flat, config, run, "rbm", config.encoder_epochs, resume)
+    check_finite_outputs("rbm", batched(rbm.p_on, heldout), "rbm_learning_rate")
+    save_component(rbm, os.path.join(run.models, "rbm.keras"))
+
+
+def _resume_state(run, config, resume):
+    """The run's `state.json` for a resumed call (checked against `config`), or a fresh one."""
+    if not resume:
+        return {"kind": "layerwise", "stages": {}}
+    state = run.read_json("state.json", {"kind": "layerwise", "stages": {}})
+    if state.get("kind", "layerwise") != "layerwise":
+        raise InputError(f"{run.path} holds a {state.get('kind')} run, not a layer-wise one; use another "
+                         "--run-dir.")
+    trained = state.get("settings") or {}
+    changed = [k for k in ARCHITECTURE if k in trained and trained[k] != getattr(config, k)]
+    if changed:
+        raise InputError(f"{run.path} was trained with other {', '.join(changed)} (was "
+                         f"{', '.join(repr(trained[k]) for k in changed)}); resume it with the same values "
+                         "or use a new --run-dir.")
+    return state
+
+
+def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
+    """Train `stages` in order into `run_dir`; returns `{stage: seconds}` of this call.
+
+    `record` is what `config.json` keeps besides the settings (kind, preset,
+    overrides; `poecaps.experiments.cli.config_from_args`). With `resume`,
+    finished stages are skipped and an interrupted stage goes on from its
+    last checkpoint; without it, an existing run's checkpoints and logs are
+    discarded.
+    """
+    if not isinstance(config, LayerwiseConfig):
+        raise InputError(f"config must be a LayerwiseConfig. Received: {type(config).__name__}")
+    unknown = [stage for stage in stages if stage not in STAGES]
+    if unknown:
+        raise InputError(f"stages must be among {STAGES}. Received: {unknown}")
+    keras.utils.set_random_seed(config.seed)
+    run = RunDir(run_dir)
+    state = _resume_state(run, config, resume)
+    if not resume:
+        for name in os.listdir(run.checkpoints):
+            shutil.rmtree(os.path.join(run.checkpoints, name), ignore_errors=True)
+        for name in ("metrics.jsonl", "faults.jsonl"):
+            if os.path.exists(run.file(name)):
+                os.remove(run.file(name))
+    settings = dataclasses.asdict(config)
+    state["settings"] = settings
+    run.write_json("config.json", {**(record or {"kind": "layerwise", "preset": None, "overrides": {}}),
+                                   "settings": settings})
+    strategy = distribute.get_strategy(config.strategy)
+    train, _, source = load_images(config, "train")
+    test, _, _ = load_images(config, "test")
+    print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
+    timings = {}
+    for stage in stages:
+        if resume and stage in state["stages"]:
+            print(f"[{stage}] already trained ({state['stages'][stage]['seconds']:.0f} s); skipping")
+            continue
+        print(f"[{stage}] training ...", flush=True)
+        start = time.perf_counter()
+        with strategy.scope(), distribute.precision_policy(config.precision):
+            if stage == "rbm":
+                train_rbm(config, run, train, test, resume)
+            else:
+                train_stage(stage, config, run, train, test, resume)
+        timings[stage] = time.perf_counter() - start
+        # A resumed run may change settings outside ARCHITECTURE, so each stage keeps its own.
+        state["stages"][stage] = {"seconds": timings[stage], "settings": settings}
+        run.write_json("state.json", state)
+        print(f"[{stage}] done in {timings[stage]:.1f} s", flush=True)
+    if os.path.exists(run.file("metrics.jsonl")):
+        figures.training_curves(run.file("metrics.jsonl"), run.file("training_curves.png"))
+    print(json.dumps({"stage_seconds": {k: round(v["seconds"], 1) for k, v in state["stages"].items()}}),
+          flush=True)
+    return timings

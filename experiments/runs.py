@@ -1,0 +1,108 @@
+"""Run directories: where a run's settings, checkpoints, models, logs and figures live.
+
+A run directory holds `config.json` (what kind of run, its preset, the
+overrides and every setting of the last call), `state.json` (what has been
+trained, with the settings of each part), `checkpoints/`, `logs/`
+(TensorBoard), `metrics.jsonl`, `faults.jsonl`, `models/` and PNG figures.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from poecaps import data as data_lib
+from poecaps.errors import InputError
+from poecaps.experiments.configs import KINDS
+from poecaps.experiments.settings import SettingError, specs
+from poecaps.validation import check_images
+
+
+def load_images(config, split):
+    """A run's images, float32 `[N, H, W, C]` in [0, 1], labels and source; the training split
+    shuffled with the run's seed and cut to its `limit`."""
+    images, labels, source = data_lib.load_arrays(config.dataset, split, config.data_dir)
+    if split == "train":
+        order = np.random.default_rng(config.seed).permutation(len(images))[:config.limit or None]
+        images, labels = images[order], labels[order]
+    if len(images) == 0:
+        raise InputError(f"The {split} split of {config.dataset} is empty.")
+    return check_images(data_lib.to_float(images), f"{config.dataset} {split} images"), labels, source
+
+
+class RunDir:
+    """Paths and small JSON files of one run directory.
+
+    Args:
+        path: the directory.
+        create: make it (and its subfolders) if missing; otherwise a missing
+            directory is an `InputError`.
+    """
+
+    def __init__(self, path, create=True):
+        self.path = path
+        self.models = os.path.join(path, "models")
+        self.checkpoints = os.path.join(path, "checkpoints")
+        self.logs = os.path.join(path, "logs")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise InputError(f"The run directory {path} is a file; pass a folder to --run-dir.")
+        if not create and not os.path.isdir(path):
+            raise InputError(f"No run directory at {path}; train one first or pass another --run-dir.")
+        if create:
+            for directory in (path, self.models, self.checkpoints, self.logs):
+                os.makedirs(directory, exist_ok=True)
+
+    def file(self, name):
+        return os.path.join(self.path, name)
+
+    def read_json(self, name, default=None):
+        """The JSON object in `name`, or `default` if there is no such file; a damaged one is an error."""
+        path = self.file(name)
+        if not os.path.exists(path):
+            return default
+        try:
+            with open(path) as handle:
+                found = json.load(handle)
+        except (OSError, ValueError) as error:
+            raise InputError(f"{path} is not readable JSON ({error}); restore it or start a new "
+                             "--run-dir.") from None
+        if not isinstance(found, dict):
+            raise InputError(f"{path} does not hold a JSON object; restore it or start a new --run-dir.")
+        return found
+
+    def write_json(self, name, obj):
+        tmp = self.file(name + ".tmp")
+        with open(tmp, "w") as handle:
+            json.dump(obj, handle, indent=2, sort_keys=True)
+        os.replace(tmp, self.file(name))
+
+    def append_metrics(self, record):
+        with open(self.file("metrics.jsonl"), "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def read_settings(run, config_cls):
+    """The config a run was trained with (`config.json`), checked; errors say what is wrong with the run.
+
+    A run of another kind (a baseline given where a layer-wise run is
+    needed), a missing, damaged or foreign `config.json`, and settings its
+    declarations refuse are each one `InputError`.
+    """
+    expected = next(kind for kind, cls in KINDS.items() if cls is config_cls)
+    record = run.read_json("config.json")
+    if record is None:
+        raise InputError(f"{run.path} has no config.json, so it holds no trained run; train one first "
+                         "or pass another --run-dir.")
+    kind, settings = record.get("kind"), record.get("settings")
+    if kind != expected:
+        raise InputError(f"{run.path} holds a {kind or 'unknown'} run; this needs a {expected} run.")
+    if not isinstance(settings, dict):
+        raise InputError(f"{run.file('config.json')} has no settings; restore it or start a new --run-dir.")
+    unknown = sorted(set(settings) - set(specs(config_cls)))
+    if unknown:
+        raise InputError(f"{run.file('config.json')} holds settings this version does not know "
+                         f"({', '.join(unknown)}); it was written by another version of poecaps.")
+    try:
+        return config_cls(**settings)
+    except SettingError as error:
+        raise InputError(f"{run.file('config.json')}: {error}") from None

@@ -1,0 +1,174 @@
+"""Declared settings: each field of a config is declared once, with its type, range or choices and help.
+
+A config is a frozen dataclass whose fields are made by `setting(...)`. The
+declaration is the only place a field's rules live: `check_fields` validates
+a config against it (the Python API, presets and resumed runs all construct
+configs, so all are checked), `parse` turns command-line text (`--set
+FIELD=VALUE`, flags) into a value, and `describe` writes the help. Free of
+TensorFlow, so that `--help` answers at once.
+"""
+
+import dataclasses
+import difflib
+import math
+
+from poecaps.errors import InputError
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class SettingError(InputError):
+    """A setting's value is not what its declaration allows; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The rules of one setting.
+
+    Args:
+        kind: `bool`, `int`, `float` or `str`.
+        help: one line for `--help`.
+        minimum, maximum: inclusive bounds of a number (None: unbounded).
+        above, below: exclusive bounds of a number (None: unbounded).
+        choices: the allowed strings.
+        optional: whether None is allowed (its meaning is in `help`).
+    """
+
+    kind: type
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None
+    below: float | None = None
+    choices: tuple | None = None
+    optional: bool = False
+
+    def __post_init__(self):
+        if self.kind not in (bool, int, float, str):
+            raise TypeError(f"kind must be bool, int, float or str. Received: kind={self.kind!r}")
+        bounded = (self.minimum, self.maximum, self.above, self.below) != (None,) * 4
+        if self.kind in (int, float) and not bounded:
+            raise TypeError("a numeric setting needs a range (minimum, maximum, above or below)")
+        if self.kind is str and self.choices is None and not self.optional:
+            raise TypeError("a text setting needs choices (or optional=True for a free path)")
+
+    def describe(self):
+        """What the setting accepts, in words: 'an integer >= 1', 'one of ...', 'true or false'."""
+        if self.kind is bool:
+            text = "true or false"
+        elif self.kind is str:
+            text = f"one of {', '.join(map(repr, self.choices))}" if self.choices else "a path"
+        else:
+            text = "an integer" if self.kind is int else "a number"
+            bounds = [f">= {_number(self.minimum)}" if self.minimum is not None else None,
+                      f"> {_number(self.above)}" if self.above is not None else None,
+                      f"<= {_number(self.maximum)}" if self.maximum is not None else None,
+                      f"< {_number(self.below)}" if self.below is not None else None]
+            text += " " + " and ".join(b for b in bounds if b)
+        return text + (", or none" if self.optional else "")
+
+    def check(self, name, value):
+        """`value` if it obeys the rules (ints accepted for floats, as floats); else `SettingError`."""
+        if value is None:
+            if self.optional:
+                return None
+            self._fail(name, value)
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                self._fail(name, value)
+            return value
+        if self.kind is str:
+            if not isinstance(value, str) or (self.choices and value not in self.choices) or not value:
+                self._fail(name, value)
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self._fail(name, value)
+        if self.kind is int and not isinstance(value, int):
+            self._fail(name, value)
+        if self.kind is float:
+            value = float(value)
+            if not math.isfinite(value):
+                self._fail(name, value)
+        if ((self.minimum is not None and value < self.minimum)
+                or (self.maximum is not None and value > self.maximum)
+                or (self.above is not None and value <= self.above)
+                or (self.below is not None and value >= self.below)):
+            self._fail(name, value)
+        return value
+
+    def parse(self, name, text):
+        """The value that command-line `text` stands for, checked."""
+        if not isinstance(text, str):
+            return self.check(name, text)
+        stripped = text.strip()
+        if self.optional and stripped.lower() in ("none", "null"):
+            return None
+        if self.kind is bool:
+            if stripped.lower() not in _TRUE + _FALSE:
+                self._fail(name, text)
+            return stripped.lower() in _TRUE
+        if self.kind is str:
+            return self.check(name, stripped)
+        try:
+            value = int(stripped) if self.kind is int else float(stripped)
+        except ValueError:
+            self._fail(name, text)
+        return self.check(name, value)
+
+    def _fail(self, name, value):
+        raise SettingError(f"{name} must be {self.describe()}. Received: {name}={value!r}")
+
+
+def _number(x):
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def setting(default, help, kind=None, **rules):
+    """A dataclass field declared with its rules (`Spec`); `kind` defaults to the default's type."""
+    spec = Spec(kind or type(default), help, optional=rules.pop("optional", default is None), **rules)
+    spec.check("default", default)
+    return dataclasses.field(default=default, metadata={"spec": spec})
+
+
+def specs(config_cls):
+    """`{field name: Spec}` of a config class (or instance), in declaration order."""
+    found = {}
+    for field in dataclasses.fields(config_cls):
+        if "spec" not in field.metadata:
+            raise TypeError(f"{getattr(config_cls, '__name__', type(config_cls).__name__)}.{field.name} "
+                            "is not declared with poecaps.experiments.settings.setting")
+        found[field.name] = field.metadata["spec"]
+    return found
+
+
+def check_fields(config):
+    """Check every field of a frozen config against its declaration, normalising numbers in place."""
+    for name, spec in specs(config).items():
+        object.__setattr__(config, name, spec.check(name, getattr(config, name)))
+
+
+def unknown_field_error(config_cls, name):
+    """A `SettingError` for a field `config_cls` does not have, naming the close matches."""
+    names = list(specs(config_cls))
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(close)}?" if close else f" Known fields: {', '.join(names)}."
+    return SettingError(f"{config_cls.__name__} has no setting {name!r}.{hint}")
+
+
+def with_values(config, values):
+    """A copy of `config` with `values` (`{name: value or command-line text}`) set, each checked."""
+    declared = specs(config)
+    parsed = {}
+    for name, value in values.items():
+        if name not in declared:
+            raise unknown_field_error(type(config), name)
+        parsed[name] = declared[name].parse(name, value)
+    return dataclasses.replace(config, **parsed)
+
+
+def parse_assignment(text):
+    """`'field=value'` -> `('field', 'value')`; dashes in the field name read as underscores."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise SettingError(f"--set takes FIELD=VALUE. Received: {text!r}")
+    return name.strip().replace("-", "_"), value

@@ -1,0 +1,7 @@
+"""Networks built from poecaps' layers."""
+
+from poecaps.models.capsnet import CapsNet
+from poecaps.models.capsule_pipeline import CapsulePipeline
+from poecaps.models.matrix_capsnet import MatrixCapsNet
+
+__all__ = ["CapsNet", "CapsulePipeline", "MatrixCapsNet"]

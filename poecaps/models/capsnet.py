@@ -1,0 +1,134 @@
+"""CapsNet with dynamic routing (Sabour, Frosst and Hinton 2017) on poecaps' layers."""
+
+import math
+
+import keras
+from keras import ops
+
+from poecaps import losses
+from poecaps.layers import CapsuleDense, PrimaryCapsules
+from poecaps.routing import DynamicRouting
+
+
+def check_classifier_arguments(image_shape, num_classes):
+    """`ValueError` unless `image_shape` is (H, W, C) and `num_classes` an integer >= 2."""
+    if len(image_shape) != 3 or min(image_shape) <= 0:
+        raise ValueError(f"image_shape must be (height, width, channels). Received: image_shape={image_shape}")
+    if not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"num_classes must be an integer >= 2. Received: num_classes={num_classes}")
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class CapsNet(keras.Model):
+    """CapsNet: conv, primary capsules, one class capsule per class by dynamic routing.
+
+    conv 256 9x9 ReLU -> primary capsules (32 types x 8-D, 9x9 stride 2,
+    squashed, Sabour eq. 1) -> `CapsuleDense` to one 16-D capsule per class
+    with `DynamicRouting` (eq. 2-3, Procedure 1) -> lengths |v_k|. The loss
+    (`loss_terms`): margin loss (eq. 4; m+ = 0.9, m- = 0.1, lambda = 0.5)
+    plus `reconstruction_weight` times the summed squared error of a
+    512-1024-pixels sigmoid decoder fed the class capsules masked by the
+    true class. `call` masks by the longest capsule instead. Training
+    (`poecaps.trainers.supervised.SupervisedTrainer`) adds random shifts.
+
+    Args:
+        image_shape: (H, W, C) of the input.
+        num_classes: K.
+        routing_iterations: routing rounds, Sabour's r (3 in the paper;
+            0 and 1 give uniform coefficients, the no-routing ablation).
+        reconstruction: whether the decoder and its loss are used.
+        reconstruction_weight: weight of the summed squared error (0.0005).
+        conv_filters, primary_types, primary_dim, class_dim, kernel_size:
+            sizes (256, 32, 8, 16, 9).
+        seed: seed of the class capsules' initial W.
+
+    Call arguments:
+        images: `[B, H, W, C]` in [0, 1].
+
+    Returns:
+        dict with `scores` (class-capsule lengths `[B, K]`), `poses`
+        `[B, K, 16]`, routing `coefficients` `[B, I, K]` and, with the
+        decoder, `reconstruction` `[B, H, W, C]`.
+    """
+
+    def __init__(self, image_shape, num_classes, routing_iterations=3, reconstruction=True,
+                 reconstruction_weight=0.0005, conv_filters=256, primary_types=32, primary_dim=8,
+                 class_dim=16, kernel_size=9, seed=0, **kwargs):
+        super().__init__(**kwargs)
+        check_classifier_arguments(image_shape, num_classes)
+        self.image_shape = tuple(image_shape)
+        self.num_classes = num_classes
+        self.routing_iterations = routing_iterations
+        self.reconstruction = reconstruction
+        self.reconstruction_weight = reconstruction_weight
+        self.conv_filters = conv_filters
+        self.primary_types = primary_types
+        self.primary_dim = primary_dim
+        self.class_dim = class_dim
+        self.kernel_size = kernel_size
+        self.seed = seed
+        self.conv1 = keras.layers.Conv2D(conv_filters, kernel_size, activation="relu", name="conv1")
+        self.primary_conv = keras.layers.Conv2D(primary_types * primary_dim, kernel_size,
+                                                strides=2, name="primary_conv")
+        self.primary = PrimaryCapsules(primary_dim, name="primary_capsules")
+        self.class_capsules = CapsuleDense(
+            num_classes, class_dim, routing=DynamicRouting(routing_iterations, "dot"),
+            # N(0, 0.1): with 1152 inputs the class capsules start at lengths ~0.1, where the
+            # squash still passes gradient (N(0, 0.01) starts them at ~0.002).
+            kernel_initializer=keras.initializers.RandomNormal(stddev=0.1, seed=seed),
+            name="class_capsules")
+        self.decoder = None if not reconstruction else keras.Sequential([
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(math.prod(self.image_shape), activation="sigmoid"),
+            keras.layers.Reshape(self.image_shape),
+        ], name="decoder")
+        self.build()
+
+    def build(self, input_shape=None):
+        self.call(ops.zeros((1, *self.image_shape)))
+
+    @property
+    def loss_term_names(self):
+        return ("margin_loss", "reconstruction_loss") if self.reconstruction else ("margin_loss",)
+
+    def encode(self, images, training=None):
+        """Class capsules: a `RoutingResult` with poses `[B, K, 16]` and lengths `[B, K]`."""
+        code = self.primary_conv(self.conv1(images))
+        return self.class_capsules.route(self.primary(code), training=training)
+
+    def reconstruct(self, poses, classes):
+        """Decode the class capsules masked to `classes` (`[B]` integers)."""
+        if self.decoder is None:
+            raise ValueError("This CapsNet was built with reconstruction=False; it has no decoder.")
+        mask = ops.one_hot(ops.cast(classes, "int32"), self.num_classes, dtype=poses.dtype)
+        return self.decoder(ops.reshape(poses * mask[..., None], (-1, self.num_classes * self.class_dim)))
+
+    def call(self, images, training=None):
+        result = self.encode(images, training)
+        outputs = {"scores": result.activations, "poses": result.poses,
+                   "coefficients": result.coefficients}
+        if self.decoder is not None:
+            outputs["reconstruction"] = self.reconstruct(
+                result.poses, ops.argmax(result.activations, axis=-1))
+        return outputs
+
+    def loss_terms(self, images, labels, training=False, step=None):
+        """`(total, scores [B, K], {term: batch mean})`: the margin loss plus the weighted reconstruction."""
+        result = self.encode(images, training)
+        margin = ops.mean(losses.margin_loss(labels, result.activations))
+        terms = {"margin_loss": margin}
+        total = margin
+        if self.reconstruction:
+            recon = ops.cast(self.reconstruct(result.poses, labels), "float32")
+            terms["reconstruction_loss"] = ops.mean(losses.reconstruction_loss(images, recon))
+            total = total + self.reconstruction_weight * terms["reconstruction_loss"]
+        return total, result.activations, terms
+
+    def get_config(self):
+        return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
+                "routing_iterations": self.routing_iterations, "reconstruction": self.reconstruction,
+                "reconstruction_weight": self.reconstruction_weight, "conv_filters": self.conv_filters,
+                "primary_types": self.primary_types, "primary_dim": self.primary_dim,
+                "class_dim": self.class_dim, "kernel_size": self.kernel_size, "seed": self.seed,
+                "name": self.name}

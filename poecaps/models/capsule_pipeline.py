@@ -1,0 +1,143 @@
+"""The whole products-of-expert-capsules path: image -> lower capsules -> upper capsules -> image."""
+
+import os
+
+import keras
+import numpy as np
+
+from poecaps import experts, layers, rbm  # noqa: F401  (registers the serializable classes)
+from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash, with_length
+from poecaps.errors import InputError
+from poecaps.models.saving import load_component, save_component
+
+# The trained components, each saved as `<name>.keras` (Keras' own format).
+COMPONENTS = ("autoencoder", "encoder", "decoder")
+# Statistics of the training data kept beside them, each saved as `<name>.npy`.
+ARRAYS = ("code_mean", "mean_directions", "winning_axes")
+
+
+def decoder_kernel_from_encoder(encoder, reads_length=False):
+    """The decoder's `U [J, I, D_in, D_out]` that starts as `encoder`'s own down pass.
+
+    Algorithm 1 reconstructs the lower capsules as `z~_i = sum_j c_ij W_ij^T x_j`;
+    the decoder computes `sum_j e_ji U_ji x_j` with `e` summing to one over the
+    J upper capsules. At uniform coefficients `e = 1/J` and `c = 1/J` over
+    parents or `1/I` over children, so `U_ji = (c / e) W_ij^T`: the plain
+    transpose for parents, scaled by `J/I` for children (whose W are `I/J`
+    times larger for the same model; tests/test_energy.py).
+
+    With `reads_length` the decoder reads `with_length(x) = (x, |x|)/sqrt(2)`:
+    the pose columns are scaled by sqrt(2) and the length column starts at 0,
+    so the starting decoder computes the same as without it.
+    """
+    num_in, num_out = encoder.kernel.shape[:2]
+    scale = encoder.routing.uniform_coefficient(num_in, num_out) * num_out
+    kernel = scale * keras.ops.transpose(encoder.kernel, (1, 0, 3, 2))
+    if not reads_length:
+        return kernel
+    return keras.ops.concatenate([kernel * np.sqrt(2.0), keras.ops.zeros_like(kernel[..., :1])], axis=-1)
+
+
+class CapsulePipeline:
+    """Hauser's network (Figure 1): conv front end, capsule encoder W and capsule decoder U.
+
+    `lower_capsules(images)` forms the 576 squashed 8-D capsules from the
+    front end's code (after subtracting `code_mean`, if given: the centring
+    trick of Montavon and Mueller, not in the paper); `upper_capsules` routes
+    them up with W (eq. 3-4); `decode_upper` routes upper capsules down with
+    U (section 4.1), unsquashes, adds `code_mean` back and decodes to images.
+
+    Args:
+        autoencoder: trained `ConvAutoencoder` (the front end).
+        encoder: trained `CapsuleExperts` (lower -> upper), or None.
+        decoder: trained `CapsuleExperts` (upper -> lower), or None. If it
+            was built for `D + 1` inputs it reads each upper capsule as
+            `with_length(x) = (x, |x|)/sqrt(2)`.
+        capsule_dim: dimension of the lower capsules.
+        code_mean: `[H, W, C]` mean training code, or None.
+        mean_directions: `[J, D]` mean training direction of each upper
+            capsule (the sampler's `half="mean"`), or None.
+        winning_axes: `[J, D]` each upper capsule's principal axis signed
+            toward the side its winning training poses visit
+            (`poecaps.metrics.winning_side_axes`; the sampler's
+            `half="winning"`), or None.
+    """
+
+    def __init__(self, autoencoder, encoder=None, decoder=None, capsule_dim=8, code_mean=None,
+                 mean_directions=None, winning_axes=None):
+        self.autoencoder = autoencoder
+        self.encoder = encoder
+        self.decoder = decoder
+        self.capsule_dim = capsule_dim
+        self.code_mean = code_mean
+        self.mean_directions = mean_directions
+        self.winning_axes = winning_axes
+
+    @property
+    def num_upper(self):
+        return self.encoder.num_capsules
+
+    @property
+    def upper_dim(self):
+        return self.encoder.capsule_dim
+
+    def lower_capsules(self, images):
+        return self.capsules_from_code(self.autoencoder.encode(images))
+
+    def capsules_from_code(self, code):
+        if self.code_mean is not None:
+            code = code - self.code_mean
+        return squash(primary_capsules(code, self.capsule_dim))
+
+    def upper_capsules(self, lower):
+        return self.encoder(lower)
+
+    def encode(self, images):
+        """Upper capsules of images, `[B, J, D]`."""
+        return self.upper_capsules(self.lower_capsules(images))
+
+    def decode_lower(self, lower):
+        code = capsules_to_code(unsquash(lower), self.autoencoder.code_shape)
+        if self.code_mean is not None:
+            code = code + self.code_mean
+        return self.autoencoder.decode(code)
+
+    @property
+    def decoder_reads_length(self):
+        """True when the decoder reads `with_length(x)` (built for one input dimension more)."""
+        return self.decoder.kernel.shape[-1] == self.upper_dim + 1
+
+    def decode_upper(self, upper):
+        if self.decoder_reads_length:
+            upper = with_length(upper)
+        return self.decode_lower(self.decoder(upper))
+
+    def reconstruct(self, images):
+        return self.decode_upper(self.encode(images))
+
+    def save(self, directory):
+        """Write every component as `<name>.keras` and every array as `<name>.npy` under `directory`."""
+        os.makedirs(directory, exist_ok=True)
+        for name in COMPONENTS:
+            if getattr(self, name) is not None:
+                save_component(getattr(self, name), os.path.join(directory, f"{name}.keras"))
+        for name in ARRAYS:
+            if getattr(self, name) is not None:
+                np.save(os.path.join(directory, f"{name}.npy"), np.asarray(getattr(self, name), "float32"))
+
+    @classmethod
+    def load(cls, directory, capsule_dim=8):
+        """The pipeline saved under `directory`; missing components and arrays are None."""
+        def component(name):
+            path = os.path.join(directory, f"{name}.keras")
+            return load_component(path) if os.path.exists(path) else None
+
+        def array(name):
+            path = os.path.join(directory, f"{name}.npy")
+            return np.load(path) if os.path.exists(path) else None
+
+        autoencoder = component("autoencoder")
+        if autoencoder is None:
+            raise InputError(f"No trained autoencoder in {directory}; train the 'autoencoder' stage first.")
+        return cls(autoencoder, component("encoder"), component("decoder"), capsule_dim,
+                   **{name: array(name) for name in ARRAYS})

@@ -1,0 +1,101 @@
+"""Matrix capsules with EM routing (Hinton, Sabour and Frosst 2018) on poecaps' layers."""
+
+import keras
+from keras import ops
+
+from poecaps import losses
+from poecaps.layers import ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
+from poecaps.models.capsnet import check_classifier_arguments
+from poecaps.routing import EMRouting
+
+# Lower capsules per chunk in the convolutional capsule layers: the chunk's
+# votes, 1024 x J x 16 floats, stay in the CPU's caches (bench/em_step.py).
+CHUNK_CAPSULES = 1024
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class MatrixCapsNet(keras.Model):
+    """Matrix capsules: conv, primary matrix capsules, two convolutional capsule layers, class capsules.
+
+    ReLU conv (A channels, 5x5 stride 2) -> primary capsules (B types, 4x4
+    pose + logistic activation, 1x1) -> ConvCaps1 (C types, K=3 stride 2)
+    -> ConvCaps2 (D types, K=3 stride 1) -> class capsules with coordinate
+    addition; every capsule layer routes with `EMRouting`. The loss
+    (`loss_terms`): spread loss with the margin raised linearly from 0.2 to
+    0.9 over `margin_steps` training steps. The small configuration is
+    A=64, B=8, C=D=16; the paper's A=B=C=D=32.
+
+    Args:
+        image_shape, num_classes: as `CapsNet`.
+        routing_iterations: EM rounds (>= 1; the paper uses 3).
+        a, b, c, d: the sizes A, B, C, D.
+        final_lambda, cost_normalization: of every `EMRouting` (see there).
+        margin_steps: steps over which the spread-loss margin rises.
+        chunk_capsules: lower capsules whose votes and routing are computed
+            together in ConvCaps1 and ConvCaps2: each layer routes
+            `max(1, chunk_capsules // (9 * types in))` receptive fields at a
+            time (`ConvCapsules(chunk_size=...)`); None for all at once.
+            Chunks pay under XLA and cost without it (bench/em_step.py).
+
+    Call arguments:
+        images: `[B, H, W, C]` in [0, 1].
+
+    Returns:
+        dict with `scores` (class activations `[B, K]`), `poses` `[B, K, 16]`
+        and the class layer's routing `coefficients` `[B, H*W*D, K]`.
+    """
+
+    def __init__(self, image_shape, num_classes, routing_iterations=3, a=64, b=8, c=16, d=16,
+                 final_lambda=1.0, cost_normalization="standardize", margin_steps=10000,
+                 chunk_capsules=CHUNK_CAPSULES, **kwargs):
+        super().__init__(**kwargs)
+        check_classifier_arguments(image_shape, num_classes)
+        self.image_shape = tuple(image_shape)
+        self.num_classes = num_classes
+        self.routing_iterations = routing_iterations
+        self.a, self.b, self.c, self.d = a, b, c, d
+        self.final_lambda = final_lambda
+        self.cost_normalization = cost_normalization
+        self.margin_steps = margin_steps
+        self.chunk_capsules = chunk_capsules
+        chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
+        em = lambda name: EMRouting(routing_iterations, final_lambda,
+                                    cost_normalization=cost_normalization, name=name)
+        self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1")
+        self.primary = PrimaryMatrixCapsules(b, name="primary_capsules")
+        self.conv_caps1 = ConvCapsules(c, 16, 3, 2, routing=em("em1"), chunk_size=chunk(b),
+                                       name="conv_caps1")
+        self.conv_caps2 = ConvCapsules(d, 16, 3, 1, routing=em("em2"), chunk_size=chunk(c),
+                                       name="conv_caps2")
+        self.class_capsules = ClassCapsules(num_classes, 16, routing=em("em3"), name="class_capsules")
+        self.build()
+
+    def build(self, input_shape=None):
+        self.call(ops.zeros((1, *self.image_shape)))
+
+    loss_term_names = ("spread_loss", "margin")
+
+    def encode(self, images, training=None):
+        poses, act = self.primary(self.conv1(images))
+        r1 = self.conv_caps1.route(poses, act, training=training)
+        r2 = self.conv_caps2.route(r1.poses, r1.activations, training=training)
+        return self.class_capsules.route(r2.poses, r2.activations, training=training)
+
+    def call(self, images, training=None):
+        result = self.encode(images, training)
+        return {"scores": result.activations, "poses": result.poses,
+                "coefficients": result.coefficients}
+
+    def loss_terms(self, images, labels, training=False, step=None):
+        """`(spread loss, scores [B, K], {spread_loss, margin})`; the margin at training `step` (None: final)."""
+        result = self.encode(images, training)
+        margin = losses.spread_margin(self.margin_steps if step is None else step, self.margin_steps)
+        spread = ops.mean(losses.spread_loss(labels, result.activations, margin))
+        return spread, result.activations, {"spread_loss": spread, "margin": margin}
+
+    def get_config(self):
+        return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
+                "routing_iterations": self.routing_iterations, "a": self.a, "b": self.b, "c": self.c,
+                "d": self.d, "final_lambda": self.final_lambda,
+                "cost_normalization": self.cost_normalization, "margin_steps": self.margin_steps,
+                "chunk_capsules": self.chunk_capsules, "name": self.name}

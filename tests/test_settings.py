@@ -1,0 +1,128 @@
+"""Declared settings, presets and `--set`: one declaration per field, read by every way in."""
+
+import argparse
+import dataclasses
+
+import pytest
+
+from poecaps.experiments import cli, presets
+from poecaps.experiments.configs import (
+    KINDS,
+    BaselineConfig,
+    BaselineEvaluationConfig,
+    EvaluationConfig,
+    LayerwiseConfig,
+)
+from poecaps.experiments.settings import (
+    SettingError,
+    Spec,
+    parse_assignment,
+    setting,
+    specs,
+    with_values,
+)
+
+CONFIGS = [LayerwiseConfig, BaselineConfig, EvaluationConfig, BaselineEvaluationConfig]
+
+
+@pytest.mark.parametrize("config_cls", CONFIGS)
+def test_every_field_is_declared_with_help_and_a_range_or_choices(config_cls):
+    for name, spec in specs(config_cls).items():
+        assert spec.help.strip(), name
+        if spec.kind in (int, float):
+            assert (spec.minimum, spec.maximum, spec.above, spec.below) != (None,) * 4, name
+        if spec.kind is str:
+            assert spec.choices or name == "data_dir", name
+
+
+def test_a_declaration_without_a_range_is_refused():
+    with pytest.raises(TypeError, match="needs a range"):
+        Spec(int, "a count")
+    with pytest.raises(TypeError, match="needs choices"):
+        Spec(str, "a name")
+    with pytest.raises(SettingError, match="default must be an integer >= 1. Received: default=0"):
+        setting(0, "a count", minimum=1)
+
+
+@pytest.mark.parametrize("kind, text, value", [
+    (int, " 7", 7), (float, "1e-3", 1e-3), (float, "2", 2.0), (bool, "false", False), (bool, "On", True),
+    (str, "delta", "delta"),
+])
+def test_parse_reads_command_line_text(kind, text, value):
+    rules = {"minimum": 0} if kind in (int, float) else {"choices": ("delta",)} if kind is str else {}
+    parsed = Spec(kind, "x", **rules).parse("x", text)
+    assert parsed == value and type(parsed) is kind
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"num_capsules": "0"}, "num_capsules must be an integer >= 1. Received: num_capsules=0"),
+    ({"num_capsules": "2.5"}, "num_capsules must be an integer >= 1. Received: num_capsules='2.5'"),
+    ({"dropout": "1"}, "dropout must be a number >= 0 and < 1. Received: dropout=1.0"),
+    ({"dropout": "nan"}, "dropout must be a number >= 0 and < 1. Received: dropout=nan"),
+    ({"center_code": "maybe"}, "center_code must be true or false. Received: center_code='maybe'"),
+    ({"decoder_rule": ""}, "decoder_rule must be one of 'section41', 'delta'. Received: decoder_rule=''"),
+    ({"limit": "none"}, None),
+    ({"num_capsule": "3"}, "LayerwiseConfig has no setting 'num_capsule'. Did you mean num_capsules"),
+    ({"sample_rows": "20", "routing_iterations": "-1"}, "routing_iterations must be an integer >= 0"),
+])
+def test_with_values_checks_each_value_by_its_declaration(values, message):
+    if message is None:
+        assert with_values(LayerwiseConfig(limit=5), values).limit is None
+        return
+    with pytest.raises(SettingError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with_values(LayerwiseConfig(), values)
+
+
+def test_python_construction_is_checked_by_the_same_declarations():
+    with pytest.raises(SettingError, match="num_capsules must be an integer >= 1. Received: num_capsules=0"):
+        LayerwiseConfig(num_capsules=0)
+    assert LayerwiseConfig(cd_learning_rate=1).cd_learning_rate == 1.0           # ints read as floats
+    assert type(LayerwiseConfig(cd_learning_rate=1).cd_learning_rate) is float
+    with pytest.raises(SettingError, match="capsule_dim must divide filters"):
+        LayerwiseConfig(capsule_dim=7)
+
+
+def test_parse_assignment():
+    assert parse_assignment("decoder-rule=delta") == ("decoder_rule", "delta")
+    assert parse_assignment("data_dir=a=b") == ("data_dir", "a=b")
+    with pytest.raises(SettingError, match="--set takes FIELD=VALUE. Received: 'decoder_rule'"):
+        parse_assignment("decoder_rule")
+
+
+def test_presets_are_configs_and_the_defaults_are_the_default_preset():
+    assert presets.get("layerwise", "default") == LayerwiseConfig()
+    assert presets.get("baseline", "sabour2017") == BaselineConfig()
+    for kind, config_cls in KINDS.items():
+        for name in presets.names(kind):
+            assert isinstance(presets.get(kind, name), config_cls), name
+    with pytest.raises(SettingError, match="Unknown layerwise preset 'hauser'; known: default, hauser2019"):
+        presets.get("layerwise", "hauser")
+
+
+def test_hauser2019_differs_from_the_default_preset_in_the_departures_its_docstring_lists():
+    paper, default = presets.get("layerwise", "hauser2019"), presets.get("layerwise", "default")
+    changed = {f.name for f in dataclasses.fields(LayerwiseConfig)
+               if getattr(paper, f.name) != getattr(default, f.name)}
+    assert changed == {"routing_iterations", "center_code", "sparsity_cost", "population_sparsity_cost",
+                       "decoder_rule", "decoder_input", "decoder_length", "sample_domain", "sample_rows"}
+    doc = presets.default.__doc__
+    for name in changed - {"sample_rows"}:
+        assert f"`{name}=" in doc, name
+    assert (paper.routing_iterations, paper.decoder_rule, paper.center_code) == (3, "section41", False)
+
+
+def test_baseline_presets_count_routing_rounds():
+    assert presets.get("baseline", "sabour2017").routing_iterations == 3        # Sabour's r = 3
+    small, full = presets.get("baseline", "hinton2018-small"), presets.get("baseline", "hinton2018")
+    assert (small.model, small.em_size, small.routing_iterations) == ("em", "small", 3)
+    assert (full.model, full.em_size) == ("em", "paper")
+
+
+def test_config_from_args_applies_shortcuts_then_set_and_records_them():
+    args = argparse.Namespace(preset="hauser2019", set=["decoder_rule=delta", "seed=4"], seed="2",
+                              dataset="mnist", data_dir=None, limit=None)
+    config, record = cli.config_from_args("layerwise", args, ("seed", "dataset", "data_dir", "limit"))
+    assert config == dataclasses.replace(presets.get("layerwise", "hauser2019"), decoder_rule="delta", seed=4,
+                                         dataset="mnist")
+    assert record == {"kind": "layerwise", "preset": "hauser2019",
+                      "overrides": {"seed": 4, "dataset": "mnist", "decoder_rule": "delta"}}
