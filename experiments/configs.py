@@ -160,7 +160,8 @@ class EvaluationConfig:
     rows: int = setting(20, "samples per capsule and draw", minimum=1)
     draws: int = setting(5, "draws of the N(0, I) grid per domain (sampler seeds seed, seed+1, ...)", minimum=1)
     classifier_epochs: int = setting(3, "reference classifier epochs (trained once per run)", minimum=1)
-    kmeans: bool = setting(False, "also the pixel k-means reference (slow)")
+    diagnostics: bool = setting(False, "also the study's slow diagnostics: one-capsule decodings, the "
+                                "autoencoder alone, the pixel k-means reference")
 
     def __post_init__(self):
         check_fields(self)

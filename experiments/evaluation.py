@@ -17,7 +17,7 @@ from poecaps import metrics
 from poecaps.experiments import figures
 from poecaps.experiments.configs import DOMAINS, EvaluationConfig, LayerwiseConfig
 from poecaps.experiments.runs import RunDir, load_images, read_settings
-from poecaps.experiments.trained import load_pipeline, load_rbm
+from poecaps.experiments.trained import load_pipeline, load_rbm, training_capsules
 from poecaps.graphs import batched
 from poecaps.samplers import CapsuleSampler, RBMSampler
 
@@ -147,20 +147,19 @@ def _class_mean_reference(train, train_labels, classifier, classes):
             "named_as_itself": int(np.sum(np.asarray(named["named"]) == np.asarray(present)))}
 
 
-def _capsule_figures(pipeline, train, train_labels, test, test_labels, classifier, classes, run, config):
+def _capsule_figures(pipeline, run, train, train_labels, test, test_labels, classifier, classes, config):
     """Everything `eval.json` says about the capsule path (`poecaps`)."""
     with _phase(f"capsules of {len(train)} training and {len(test)} test images, reconstructions"):
-        test_upper = batched(pipeline.encode, test)
-        train_upper = batched(pipeline.encode, train)
-        reconstruction = batched(pipeline.decode_upper, test_upper)
-        autoencoder_only = batched(pipeline.autoencoder, test)
+        train_upper = training_capsules(run, pipeline, train)
+        test_code = batched(pipeline.autoencoder.encode, test)
+        test_upper = batched(pipeline.upper_capsules, batched(pipeline.capsules_from_code, test_code))
+        reconstruction = pipeline.decode(test_upper)
     test_lengths, train_lengths = np.linalg.norm(test_upper, axis=-1), np.linalg.norm(train_upper, axis=-1)
     with _phase("linear probes"):
         probes = (metrics.linear_probe(train_upper, train_labels, test_upper, test_labels),
                   metrics.linear_probe(train_lengths, train_labels, test_lengths, test_labels))
     found = {
         "reconstruction_mse": metrics.mse(test, reconstruction),
-        "autoencoder_only_mse": metrics.mse(test, autoencoder_only),
         "probe_accuracy_vectors": probes[0],
         "probe_accuracy_lengths": probes[1],
         "mean_p_on_test": float(np.mean(test_lengths)),
@@ -168,28 +167,21 @@ def _capsule_figures(pipeline, train, train_labels, test, test_labels, classifie
         # Does the whole capsule code keep the class? The reference classifier on
         # test images reconstructed through the capsule path.
         "reconstruction_class_accuracy": float(np.mean(_predict(classifier, reconstruction) == test_labels)),
+        "longest_capsule_clusters": metrics.longest_capsule_clusters(test_lengths, test_labels, classes),
+        "training_images_longest": np.bincount(np.argmax(train_lengths, axis=1),
+                                               minlength=pipeline.num_upper).tolist(),
     }
-    # What one capsule can show at best (a Figure 2 sample has one capsule on):
-    # each test image's code cut to its longest capsule, decoded and labelled;
-    # the images grouped by their longest capsule, by true class and by the
-    # class of that one-capsule decoding.
-    with _phase("one-capsule decodings"):
-        one_capsule = _predict(classifier, batched(pipeline.decode_upper, metrics.keep_longest(test_upper)))
-    found["one_capsule_reconstruction_class_accuracy"] = float(np.mean(one_capsule == test_labels))
-    found["longest_capsule_clusters"] = metrics.longest_capsule_clusters(test_lengths, test_labels, classes)
-    found["one_capsule_decoded_clusters"] = metrics.longest_capsule_clusters(test_lengths, one_capsule, classes)
-    # The same groups split by the side of each capsule's principal axis that
-    # the pose lies on (P(on) cannot tell the sides apart).
-    longest_moments = metrics.longest_pose_second_moments(train_upper)[0]
-    axes = metrics.principal_axes(longest_moments, metrics.mean_directions(train_upper))
+    # The groups split by the side of each capsule's principal axis that the
+    # pose lies on (P(on) cannot tell the sides apart).
+    axes = metrics.principal_axes(metrics.longest_pose_second_moments(train_upper)[0],
+                                  metrics.mean_directions(train_upper))
     found["longest_capsule_side_clusters"] = metrics.longest_capsule_side_clusters(
         test_upper, test_labels, classes, axes)
-    found["one_capsule_decoded_side_clusters"] = metrics.longest_capsule_side_clusters(
-        test_upper, one_capsule, classes, axes)
     share = metrics.principal_share(metrics.pose_second_moments(train_upper))
     found["pose_principal_share"] = {"per_capsule": [float(v) for v in share], "mean": float(share.mean())}
-    found["training_images_longest"] = np.bincount(
-        np.argmax(train_lengths, axis=1), minlength=pipeline.num_upper).tolist()
+    if config.diagnostics:
+        found.update(_diagnostics(pipeline, test, test_code, test_upper, test_lengths, test_labels, classifier,
+                                  classes, axes))
     with _phase(f"samples, {config.draws} draws of {config.rows} per capsule in each domain"):
         found.update(_paper_sampler_draws(pipeline, classifier, classes, config))
     shown = np.linspace(0, len(test) - 1, 12).astype(int)  # spread over classes
@@ -197,6 +189,24 @@ def _capsule_figures(pipeline, train, train_labels, test, test_labels, classifie
                        title="test images (top) and their reconstructions through the capsule path",
                        row_labels=["data", "capsules"])
     return found
+
+
+def _diagnostics(pipeline, test, test_code, test_upper, test_lengths, test_labels, classifier, classes, axes):
+    """The study's diagnostic figures (opt-in: `EvaluationConfig.diagnostics`).
+
+    What one capsule can show at best (a Figure 2 sample has one capsule on):
+    each test image's code cut to its longest capsule, decoded and labelled,
+    and the groups by longest capsule labelled by that decoding; and the
+    front end's own reconstruction error.
+    """
+    with _phase("one-capsule decodings and the autoencoder alone"):
+        one_capsule = _predict(classifier, pipeline.decode(metrics.keep_longest(test_upper)))
+        autoencoder_only = batched(pipeline.autoencoder.decode, test_code)
+    return {"autoencoder_only_mse": metrics.mse(test, autoencoder_only),
+            "one_capsule_reconstruction_class_accuracy": float(np.mean(one_capsule == test_labels)),
+            "one_capsule_decoded_clusters": metrics.longest_capsule_clusters(test_lengths, one_capsule, classes),
+            "one_capsule_decoded_side_clusters": metrics.longest_capsule_side_clusters(
+                test_upper, one_capsule, classes, axes)}
 
 
 def evaluate_run(run_dir, config=None):
@@ -215,9 +225,9 @@ def evaluate_run(run_dir, config=None):
     grid = _result_grid(run, classifier, classes)
     if grid is not None:
         result["result_grid"] = grid
-    result["poecaps"] = _capsule_figures(pipeline, train, train_labels, test, test_labels, classifier,
-                                         classes, run, config)
-    if config.kmeans:
+    result["poecaps"] = _capsule_figures(pipeline, run, train, train_labels, test, test_labels, classifier,
+                                         classes, config)
+    if config.diagnostics:
         with _phase(f"pixel k-means reference ({pipeline.num_upper} clusters)"):
             result["pixel_kmeans"] = _kmeans_reference(train, test, test_labels, classifier, classes,
                                                        pipeline.num_upper, config.seed)

@@ -22,6 +22,7 @@ from poecaps.errors import InputError, NonFiniteError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import STAGES, LayerwiseConfig
 from poecaps.experiments.runs import RunDir, load_images
+from poecaps.experiments.trained import store_training_capsules
 from poecaps.experts import CapsuleExperts
 from poecaps.graphs import batched
 from poecaps.layers import ConvAutoencoder
@@ -135,7 +136,7 @@ def _train_autoencoder(config, run, images, heldout, resume):
     figures.filters(keras.ops.convert_to_numpy(ae.kernel1), run.file("filters.png"))
 
 
-def _train_encoder(config, run, pipeline, codes, heldout_images, steps, resume):
+def _train_encoder(config, run, pipeline, train, codes, heldout_images, steps, resume):
     code_mean_path = os.path.join(run.models, "code_mean.npy")
     if os.path.exists(code_mean_path):
         os.remove(code_mean_path)
@@ -153,7 +154,7 @@ def _train_encoder(config, run, pipeline, codes, heldout_images, steps, resume):
     save_component(encoder, os.path.join(run.models, "encoder.keras"))
 
 
-def _train_decoder(config, run, pipeline, codes, heldout_images, steps, resume):
+def _train_decoder(config, run, pipeline, train, codes, heldout_images, steps, resume):
     _check_encoder_stage(pipeline, config, run)
     lower = batched(pipeline.capsules_from_code, codes)
     upper = batched(pipeline.upper_capsules, lower)
@@ -177,6 +178,7 @@ def _train_decoder(config, run, pipeline, codes, heldout_images, steps, resume):
     _fit(trainer, inputs, config, run, "decoder", config.decoder_epochs, resume, y=lower)
     check_finite_outputs("decoder", batched(decoder, heldout_upper), "decoder_learning_rate")
     save_component(decoder, os.path.join(run.models, "decoder.keras"))
+    store_training_capsules(run, pipeline, train, upper)
     # The sampler's halves of capsule space (`poecaps.samplers.CapsuleSampler`).
     np.save(os.path.join(run.models, "mean_directions.npy"), metrics.mean_directions(upper).astype("float32"))
     np.save(os.path.join(run.models, "winning_axes.npy"), metrics.winning_side_axes(upper).astype("float32"))
@@ -195,7 +197,7 @@ def train_stage(stage, config, run, train, test, resume=False):
     codes = batched(pipeline.autoencoder.encode, train)
     check_finite_outputs("autoencoder", codes, "ae_learning_rate")
     train_part = _train_encoder if stage == "encoder" else _train_decoder
-    return train_part(config, run, pipeline, codes, heldout, steps, resume)
+    return train_part(config, run, pipeline, train, codes, heldout, steps, resume)
 
 
 def train_rbm(config, run, train, test, resume=False):

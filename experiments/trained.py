@@ -1,8 +1,13 @@
 """The trained models of a run directory, loaded with errors that say what is missing."""
 
+import hashlib
 import os
+import sys
+
+import numpy as np
 
 from poecaps.errors import InputError
+from poecaps.graphs import batched
 from poecaps.models.capsule_pipeline import CapsulePipeline
 from poecaps.models.saving import load_component
 
@@ -21,3 +26,42 @@ def load_rbm(run):
     """The run's trained RBM, or None."""
     path = os.path.join(run.models, "rbm.keras")
     return load_component(path) if os.path.exists(path) else None
+
+
+def _fingerprint(pipeline, images):
+    """SHA-256 of what a pipeline's upper capsules of `images` depend on: images, weights, mean code."""
+    sha = hashlib.sha256()
+    arrays = [images, *pipeline.autoencoder.get_weights(), *pipeline.encoder.get_weights()]
+    if pipeline.code_mean is not None:
+        arrays.append(pipeline.code_mean)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        sha.update(f"{array.dtype}{array.shape}".encode())
+        sha.update(array.tobytes())
+    sha.update(str(pipeline.capsule_dim).encode())
+    return sha.hexdigest()
+
+
+def store_training_capsules(run, pipeline, images, capsules):
+    """Keep the upper capsules of the training images (`models/train_capsules.npz`) for the evaluation."""
+    path = os.path.join(run.models, "train_capsules.npz")
+    tmp = path[:-len(".npz")] + ".tmp.npz"
+    np.savez(tmp, capsules=np.asarray(capsules, "float32"), fingerprint=np.array(_fingerprint(pipeline, images)))
+    os.replace(tmp, path)
+
+
+def training_capsules(run, pipeline, images):
+    """Upper capsules of the training images `[N, J, D]`: the stored ones when they were computed
+    from these images with these weights (the decoder stage stores them), else computed and stored."""
+    path = os.path.join(run.models, "train_capsules.npz")
+    if os.path.exists(path):
+        try:
+            with np.load(path) as stored:
+                if str(stored["fingerprint"]) == _fingerprint(pipeline, images):
+                    return stored["capsules"]
+        except (OSError, ValueError, KeyError) as error:   # damaged: computed again below
+            print(f"[evaluate] {path} is unreadable ({error}); computing the capsules again",
+                  file=sys.stderr, flush=True)
+    capsules = batched(pipeline.encode, images)
+    store_training_capsules(run, pipeline, images, capsules)
+    return capsules

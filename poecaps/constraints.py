@@ -21,8 +21,8 @@ class IsometricPoses(keras.constraints.Constraint):
     Why (not in Hauser 2019): `F(x)` (eq. 10) depends on `W_j` only through
     `M_j^T M_j`, and eq. 18's Hebbian positive phase `z_j x^T` grows the
     leading singular direction fastest, as in Oja's rule, so unconstrained
-    poses end up on one line through the origin (principal share 0.93 on
-    Fashion-MNIST) and one capsule carries one number, not 16. With equal
+    poses end up near one line through the origin and one capsule carries
+    one number, not 16. With equal
     singular values, CD still chooses which `D_out`-dimensional subspace of
     the lower code capsule j reads (its row space), but cannot let one
     direction of it outgrow the others.

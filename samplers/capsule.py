@@ -4,7 +4,6 @@ import numpy as np
 from keras import ops
 
 from poecaps.capsules import squash
-from poecaps.graphs import batched
 
 # Each domain's half of capsule space: the pipeline array that picks it (None: the whole space).
 DOMAINS = {"full": None, "restricted": "mean_directions", "winning": "winning_axes"}
@@ -16,7 +15,7 @@ class CapsuleSampler:
     For upper capsule j and each row: `y ~ N(0, I_D)`, all other capsules 0;
     `squash(y)`; route down with the capsule decoder U to the lower
     capsules; unsquash, reshape to the conv code and decode to an image
-    (`CapsulePipeline.decode_upper`). The domain says which half of each
+    (`CapsulePipeline.decode`). The domain says which half of each
     capsule's space the draws keep, by flipping `y` to `-y` where needed:
 
     - `"full"`: all of it (the paper's complete domain, Figure 2a and c);
@@ -58,5 +57,5 @@ class CapsuleSampler:
         for j in range(num_caps):
             upper[:, j, j] = draws[:, j]
         upper = ops.convert_to_numpy(squash(upper.reshape(rows * num_caps, num_caps, dim)))
-        images = batched(self.pipeline.decode_upper, upper, batch_size)
+        images = self.pipeline.decode(upper, batch_size)
         return {"images": images.reshape(rows, num_caps, *images.shape[1:]), "draws": draws}

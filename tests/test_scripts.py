@@ -109,11 +109,16 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
         assert samples["images"].shape == (2, 4, 28, 28, 1) and str(samples["domain"]) == "full"
         np.testing.assert_array_equal(samples["draws"], _draws(4, 2, 4, 4))
 
-    out, err = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--draws", "3", stderr=True)
+    diagnostics = ("autoencoder_only_mse", "one_capsule_reconstruction_class_accuracy",
+                   "one_capsule_decoded_clusters", "one_capsule_decoded_side_clusters")
+    assert not set(diagnostics) & set(result["poecaps"]) and "pixel_kmeans" not in result   # opt-in
+    out, err = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--draws", "3", "--diagnostics", "true",
+                    stderr=True)
     result = json.loads(out)   # stdout is the JSON alone; the progress goes to stderr
-    for step in ("reference classifier", "linear probes", "one-capsule decodings", "Bernoulli RBM"):
+    for step in ("reference classifier", "linear probes", "one-capsule decodings and the autoencoder alone",
+                 "pixel k-means reference (4 clusters)", "Bernoulli RBM"):
         assert f"[evaluate] {step}: " in err, err[-2000:]
-    assert "pixel k-means" not in err and "pixel_kmeans" not in result      # opt-in
+    assert set(diagnostics) <= set(result["poecaps"]) and len(result["pixel_kmeans"]["clusters"]["size"]) == 4
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == result
     _check_sampler_draws(run, result["poecaps"], result["result_grid"], err)

@@ -277,7 +277,7 @@ class OffCapsulesWarning(keras.callbacks.Callback):
     For capsule experts eq. 18's positive phase `2 c_ij z_j x_i^T / (1 + |z_j|^2)`
     grows `z_j` in proportion to itself, so capsules this short stay off
     (P(on) = |z_j|^2 / (1 + |z_j|^2)). The usual cause is children
-    normalisation at the default initial W (README, "Routing axis").
+    normalisation at the default initial W (docs/departures.md, "Routing axis").
     """
 
     def __init__(self, threshold=1e-3):
@@ -290,4 +290,4 @@ class OffCapsulesWarning(keras.callbacks.Callback):
             print(f"\nwarning: epoch {epoch + 1}: mean P(on) of the capsules is {p_on:.3g}; CD "
                   "grows a capsule in proportion to its length, so they may never turn on. With "
                   "normalize='children' scale the initial W by I/J, the learning rate by (I/J)^2 "
-                  "and L2 by (J/I)^2 (README, 'Routing axis').", file=sys.stderr, flush=True)
+                  "and L2 by (J/I)^2 (docs/departures.md, 'Routing axis').", file=sys.stderr, flush=True)

@@ -56,11 +56,9 @@ def size_weighted_mean(means, bounds, n):
 def default_shards():
     """2 where TensorFlow sees no GPU, else 1.
 
-    Two shards let XLA use both cores of a 2-core machine
-    (`bench/cd_step.py`: 0.99 to 1.4x the whole-batch XLA step, by how the
-    host schedules the two virtual CPUs; `bench/em_step.py`: see README.md).
-    On a GPU one computation fills the device already (not measured: no GPU
-    lent).
+    Two shards let XLA use both cores of a 2-core machine (`bench/cd_step.py`
+    and `bench/em_step.py` time them against one computation). On a GPU one
+    computation is meant to fill the device already (not measured).
     """
     import tensorflow as tf
 

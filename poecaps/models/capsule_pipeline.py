@@ -8,6 +8,7 @@ import numpy as np
 from poecaps import experts, layers, rbm  # noqa: F401  (registers the serializable classes)
 from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash, with_length
 from poecaps.errors import InputError
+from poecaps.graphs import batched
 from poecaps.models.saving import load_component, save_component
 
 # The trained components, each saved as `<name>.keras` (Keras' own format).
@@ -107,10 +108,24 @@ class CapsulePipeline:
         """True when the decoder reads `with_length(x)` (built for one input dimension more)."""
         return self.decoder.kernel.shape[-1] == self.upper_dim + 1
 
-    def decode_upper(self, upper):
+    def decode_capsules(self, upper):
+        """Lower capsules the decoder routes down from upper capsules `[B, J, D]`."""
         if self.decoder_reads_length:
             upper = with_length(upper)
-        return self.decode_lower(self.decoder(upper))
+        return self.decoder(upper)
+
+    def decode_upper(self, upper):
+        return self.decode_lower(self.decode_capsules(upper))
+
+    def decode(self, upper, batch_size=256):
+        """Images of upper capsules (a NumPy array `[N, J, D]`), computed in batches.
+
+        The capsule decoder runs under XLA in batches of 32, which suits its
+        576 routed capsules; the convolutions run without XLA, which slows
+        them on a CPU. Equal to `decode_upper` to rounding.
+        """
+        lower = batched(self.decode_capsules, upper, 32, jit_compile=True)
+        return batched(self.decode_lower, lower, batch_size)
 
     def reconstruct(self, images):
         return self.decode_upper(self.encode(images))
