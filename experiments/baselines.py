@@ -11,7 +11,7 @@ import numpy as np
 from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.experiments.configs import BaselineConfig
-from poecaps.experiments.runs import RunDir, load_images
+from poecaps.experiments.runs import RunDir, load_images, read_settings
 from poecaps.models import CapsNet, MatrixCapsNet
 from poecaps.models.matrix_capsnet import CHUNK_CAPSULES
 from poecaps.models.saving import save_component
@@ -45,6 +45,32 @@ def build_network(config, image_shape, num_classes, steps_per_epoch):
                          **sizes)
 
 
+def _check_kind(run):
+    """An `InputError` if the run directory's `config.json` is damaged or of another kind."""
+    record = run.read_json("config.json")
+    if record is not None and record.get("kind") != "baseline":
+        raise InputError(f"{run.path} holds a {record.get('kind') or 'unknown'} run, not a baseline; "
+                         "use another --run-dir.")
+    return record
+
+
+def _resume_state(run, config, record):
+    """The run's `state.json`, checked: this version's settings, a readable state, the same model."""
+    if record is not None:
+        read_settings(run, BaselineConfig)
+    state = run.read_json("state.json", {})
+    if state and (state.get("kind") != "baseline" or not isinstance(state.get("settings"), dict)):
+        raise InputError(f"{run.file('state.json')} is not a baseline's state as this version writes it; "
+                         "restore it or start a new --run-dir.")
+    trained = state.get("settings") or {}
+    changed = [k for k in ARCHITECTURE if k in trained and trained[k] != getattr(config, k)]
+    if changed:
+        raise InputError(f"{run.path} was trained with other {', '.join(changed)} (was "
+                         f"{', '.join(repr(trained[k]) for k in changed)}); resume it with the same values "
+                         "or use a new --run-dir.")
+    return state
+
+
 class _MetricsLog(keras.callbacks.Callback):
     def __init__(self, run):
         super().__init__()
@@ -65,15 +91,10 @@ def train_baseline(config, run_dir, record=None, resume=False):
         raise InputError(f"config must be a BaselineConfig. Received: {type(config).__name__}")
     keras.utils.set_random_seed(config.seed)
     run = RunDir(run_dir)
-    state = run.read_json("state.json", {}) if resume else {}
-    if resume and state.get("kind", "baseline") != "baseline":
-        raise InputError(f"{run_dir} holds a {state.get('kind')} run, not a baseline; use another --run-dir.")
-    trained = state.get("settings") or {}
-    changed = [k for k in ARCHITECTURE if k in trained and trained[k] != getattr(config, k)]
-    if changed:
-        raise InputError(f"{run_dir} was trained with other {', '.join(changed)}; resume it "
-                         "with the same values or use a new --run-dir.")
-    if not resume:
+    record = _check_kind(run)
+    if resume:
+        _resume_state(run, config, record)
+    else:
         for name in ("metrics.jsonl", "faults.jsonl"):
             if os.path.exists(run.file(name)):
                 os.remove(run.file(name))

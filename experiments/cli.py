@@ -24,6 +24,14 @@ def _settings_help(config):
     return "\n".join(lines)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line, `error: ...`, and exit status 2, as poecaps' own are."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parser(description, kind=None, default_preset=None, run_dir_default=DEFAULT_RUN_DIR):
     """A parser with `--run-dir` and, for a run `kind`, `--preset` and `--set`; the epilog lists both."""
     epilog = None
@@ -31,8 +39,7 @@ def parser(description, kind=None, default_preset=None, run_dir_default=DEFAULT_
         listed = "\n".join(f"  {name}: {line}" for name, line in presets.names(kind).items())
         epilog = (f"presets (--preset):\n{listed}\n\nsettings (--set FIELD=VALUE; the values of "
                   f"--preset {default_preset}):\n{_settings_help(presets.get(kind, default_preset))}")
-    p = argparse.ArgumentParser(description=description, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", default=run_dir_default,
                    help=f"run directory (default: {run_dir_default})")
     if kind is not None:
@@ -66,6 +73,15 @@ def config_from_args(kind, args, shortcuts=()):
                     "overrides": {name: getattr(config, name) for name in values}}
 
 
+def add_config_flags(p, config_cls):
+    """A flag `--name VALUE` for every field of `config_cls`, read through its declaration."""
+    defaults = config_cls()
+    for name, spec in specs(config_cls).items():
+        default = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
+                       help=spec.help + ("" if default is None else f" (default: {default})"))
+
+
 def config_from_flags(config_cls, args):
     """A config from flags named after its fields (None: the field's default)."""
     values = {name: getattr(args, name) for name in specs(config_cls) if getattr(args, name, None) is not None}
@@ -84,5 +100,5 @@ def run_main(main, argv=None):
     except (PoecapsError, ValueError, OSError) as error:
         if os.environ.get("POECAPS_DEBUG"):
             raise
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)   # one line, whatever the message
         raise SystemExit(2) from None

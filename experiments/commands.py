@@ -8,8 +8,7 @@ import json
 import os
 
 from poecaps.experiments import cli
-from poecaps.experiments.configs import DOMAINS, STAGES, EvaluationConfig
-from poecaps.experiments.settings import specs
+from poecaps.experiments.configs import STAGES, EvaluationConfig, SampleConfig
 
 
 def _train_layerwise(argv=None):
@@ -30,26 +29,18 @@ def _train_layerwise(argv=None):
 
 def _sample(argv=None):
     p = cli.parser("Draw the Figure 2 grid from capsule space: RUN/samples.png and RUN/samples.npz.")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
-    p.add_argument("--rows", type=int, default=None, help="draws per capsule (default: the run's sample_rows)")
-    p.add_argument("--domain", choices=DOMAINS, default=None,
-                   help="full, restricted (side of each capsule's mean training direction) or winning "
-                        "(side its winning training poses visit); default: the run's sample_domain")
+    cli.add_config_flags(p, SampleConfig)
     args = p.parse_args(argv)
+    config = cli.config_from_flags(SampleConfig, args)
     from poecaps.experiments.sampling import sample_run  # TensorFlow: after --help
 
-    found = sample_run(args.run_dir, rows=args.rows, domain=args.domain, seed=args.seed)
-    print(f"wrote {found['png']} and {found['npz']} (images {found['shape']}): "
-          f"{found['classes_covered']} classes, mean purity {found['mean_purity']:.3f}"
-          if "classes_covered" in found else f"wrote {found['png']} and {found['npz']}")
+    found = sample_run(args.run_dir, rows=config.rows, domain=config.domain, seed=config.seed)
+    print(f"wrote {found['png']} and {found['npz']} (images {found['shape']})")
 
 
 def _evaluate(argv=None):
     p = cli.parser("Evaluate a layer-wise run: write RUN/eval.json and print it.")
-    for name, spec in specs(EvaluationConfig).items():
-        default = getattr(EvaluationConfig(), name)
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
-                       help=f"{spec.help} (default: {default})")
+    cli.add_config_flags(p, EvaluationConfig)
     args = p.parse_args(argv)
     config = cli.config_from_flags(EvaluationConfig, args)
     from poecaps.experiments.evaluation import evaluate_run  # TensorFlow: after --help

@@ -168,6 +168,20 @@ class EvaluationConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SampleConfig:
+    """Settings of `scripts/sample.py`."""
+
+    seed: int = setting(0, "seed of the draws", minimum=0)
+    rows: int | None = setting(None, "draws per capsule (default: the run's sample_rows)", kind=int, minimum=1)
+    domain: str | None = setting(None, "full, restricted (side of each capsule's mean training direction) or "
+                                 "winning (side its winning poses visit); default: the run's sample_domain",
+                                 kind=str, choices=DOMAINS)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class BaselineEvaluationConfig:
     """Settings of a baseline's evaluation."""
 

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from poecaps import metrics
+from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import DOMAINS, EvaluationConfig, LayerwiseConfig
 from poecaps.experiments.runs import RunDir, load_images, read_settings
@@ -82,8 +83,11 @@ def _result_grid(run, classifier, classes):
     path = run.file("samples.npz")
     if not os.path.exists(path):
         return None
-    with np.load(path) as stored:
-        images, domain, seed = stored["images"], str(stored["domain"]), int(stored["seed"])
+    try:
+        with np.load(path) as stored:
+            images, domain, seed = stored["images"], str(stored["domain"]), int(stored["seed"])
+    except (OSError, ValueError, KeyError) as error:
+        raise InputError(f"{path} is unreadable ({error}); draw the grid again with scripts/sample.py.") from None
     found = {"domain": domain, "seed": seed, "rows": int(images.shape[0]),
              **_specialisation(classifier, images, classes)}
     print(f"[evaluate] the result grid (samples.npz, {domain} domain, {images.shape[0]} rows): "

@@ -21,7 +21,7 @@ from poecaps.capsules import with_length
 from poecaps.errors import InputError, NonFiniteError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import STAGES, LayerwiseConfig
-from poecaps.experiments.runs import RunDir, load_images
+from poecaps.experiments.runs import RunDir, load_images, read_settings
 from poecaps.experiments.trained import store_training_capsules
 from poecaps.experts import CapsuleExperts
 from poecaps.graphs import batched
@@ -41,6 +41,9 @@ from poecaps.trainers.cd import (
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.shards import default_shards
 
+# Each stage's learning rate: what a NaN or an overflow asks to lower.
+RATES = {"autoencoder": "ae_learning_rate", "encoder": "cd_learning_rate", "decoder": "decoder_learning_rate",
+         "rbm": "rbm_learning_rate"}
 # Settings that fix the data, a component's shape or what its weights mean: a resumed run keeps them.
 ARCHITECTURE = ("dataset", "limit", "seed", "batch_size", "filters", "kernel_size", "strides",
                 "capsule_dim", "num_capsules", "upper_dim", "routing_iterations", "agreement", "normalize",
@@ -63,12 +66,16 @@ def _fit(trainer, x, config, run, stage, epochs, resume, validation_data=None, y
         callbacks.append(FreeEnergyGap(x[:len(trainer.heldout)], trainer.heldout))
     callbacks += [keras.callbacks.TensorBoard(os.path.join(run.logs, stage), write_graph=False),
                   _MetricsLog(run, stage)]
-    fit_resumable(trainer, x, y, epochs=epochs, batch_size=config.batch_size, seed=config.seed,
-                  checkpoint_dir=os.path.join(run.checkpoints, stage),
-                  checkpoint_config={k: getattr(config, k) for k in ARCHITECTURE},
-                  resume=resume, save_every=config.save_every, on_nan=config.on_nan,
-                  fault_log=run.file("faults.jsonl"), callbacks=callbacks,
-                  validation_data=validation_data)
+    try:
+        fit_resumable(trainer, x, y, epochs=epochs, batch_size=config.batch_size, seed=config.seed,
+                      checkpoint_dir=os.path.join(run.checkpoints, stage),
+                      checkpoint_config={k: getattr(config, k) for k in ARCHITECTURE},
+                      resume=resume, save_every=config.save_every, on_nan=config.on_nan,
+                      fault_log=run.file("faults.jsonl"), callbacks=callbacks,
+                      validation_data=validation_data)
+    except NonFiniteError as error:
+        raise NonFiniteError(f"The {stage} stage stopped ({RATES[stage]}={getattr(config, RATES[stage]):g}): "
+                             f"{error}") from None
 
 
 def _capsule_model(num_capsules, capsule_dim, config, normalize, seed, init_stddev):
@@ -107,12 +114,12 @@ def cd_trainer(stage, model, config, steps_per_epoch, heldout):
     return trainer
 
 
-def check_finite_outputs(stage, outputs, setting):
+def check_finite_outputs(stage, outputs):
     """Accept a stage only if its outputs on held-out data are all finite; else `NonFiniteError`."""
     bad = int(np.size(outputs) - np.count_nonzero(np.isfinite(outputs)))
     if bad:
-        raise NonFiniteError(f"The {stage} stage produced {bad} NaN or infinite values on held-out data, "
-                             f"so no later stage starts on it. Lower {setting} (or set on_nan=reduce-lr) "
+        raise NonFiniteError(f"The {stage} stage's outputs on held-out data hold {bad} NaN or infinite values, "
+                             f"so no later stage starts on it; lower {RATES[stage]} (or set on_nan=reduce-lr) "
                              "and train the stage again.")
 
 
@@ -131,7 +138,7 @@ def _train_autoencoder(config, run, images, heldout, resume):
     trainer = AutoencoderTrainer(ae)
     trainer.compile(optimizer=keras.optimizers.Adam(config.ae_learning_rate))
     _fit(trainer, images, config, run, "autoencoder", config.ae_epochs, resume, validation_data=(heldout,))
-    check_finite_outputs("autoencoder", batched(ae.encode, heldout), "ae_learning_rate")
+    check_finite_outputs("autoencoder", batched(ae.encode, heldout))
     save_component(ae, os.path.join(run.models, "autoencoder.keras"))
     figures.filters(keras.ops.convert_to_numpy(ae.kernel1), run.file("filters.png"))
 
@@ -150,7 +157,7 @@ def _train_encoder(config, run, pipeline, train, codes, heldout_images, steps, r
     encoder.build((None, *lower.shape[1:]))
     trainer = cd_trainer("encoder", encoder, config, steps, heldout_lower)
     _fit(trainer, lower, config, run, "encoder", config.encoder_epochs, resume, callbacks=[OffCapsulesWarning()])
-    check_finite_outputs("encoder", batched(encoder, heldout_lower), "cd_learning_rate")
+    check_finite_outputs("encoder", batched(encoder, heldout_lower))
     save_component(encoder, os.path.join(run.models, "encoder.keras"))
 
 
@@ -159,7 +166,7 @@ def _train_decoder(config, run, pipeline, train, codes, heldout_images, steps, r
     lower = batched(pipeline.capsules_from_code, codes)
     upper = batched(pipeline.upper_capsules, lower)
     heldout_upper = batched(pipeline.encode, heldout_images)
-    check_finite_outputs("encoder", np.concatenate([upper.ravel(), heldout_upper.ravel()]), "cd_learning_rate")
+    check_finite_outputs("encoder", np.concatenate([upper.ravel(), heldout_upper.ravel()]))
     # Each lower capsule's coefficients sum to one over the upper capsules,
     # as the encoder's do ("children" of the decoder are the upper capsules).
     decoder = _capsule_model(lower.shape[1], lower.shape[2], config, "children", config.seed + 1, 0.01)
@@ -176,7 +183,7 @@ def _train_decoder(config, run, pipeline, train, codes, heldout_images, steps, r
         inputs, heldout_upper = (keras.ops.convert_to_numpy(with_length(v)) for v in (inputs, heldout_upper))
     trainer = cd_trainer("decoder", decoder, config, steps, heldout_upper)
     _fit(trainer, inputs, config, run, "decoder", config.decoder_epochs, resume, y=lower)
-    check_finite_outputs("decoder", batched(decoder, heldout_upper), "decoder_learning_rate")
+    check_finite_outputs("decoder", batched(decoder, heldout_upper))
     save_component(decoder, os.path.join(run.models, "decoder.keras"))
     store_training_capsules(run, pipeline, train, upper)
     # The sampler's halves of capsule space (`poecaps.samplers.CapsuleSampler`).
@@ -195,7 +202,7 @@ def train_stage(stage, config, run, train, test, resume=False):
     pipeline = CapsulePipeline.load(run.models, config.capsule_dim)
     print("Computing the front end's code of the training images ...", flush=True)
     codes = batched(pipeline.autoencoder.encode, train)
-    check_finite_outputs("autoencoder", codes, "ae_learning_rate")
+    check_finite_outputs("autoencoder", codes)
     train_part = _train_encoder if stage == "encoder" else _train_decoder
     return train_part(config, run, pipeline, train, codes, heldout, steps, resume)
 
@@ -211,18 +218,38 @@ def train_rbm(config, run, train, test, resume=False):
                                                 int(np.ceil(len(flat) / config.batch_size)),
                                                 config.decay_rate, config.momentum))
     _fit(trainer, flat, config, run, "rbm", config.encoder_epochs, resume)
-    check_finite_outputs("rbm", batched(rbm.p_on, heldout), "rbm_learning_rate")
+    check_finite_outputs("rbm", batched(rbm.p_on, heldout))
     save_component(rbm, os.path.join(run.models, "rbm.keras"))
 
 
 def _resume_state(run, config, resume):
-    """The run's `state.json` for a resumed call (checked against `config`), or a fresh one."""
+    """The run's `state.json` for a resumed call (checked against `config`), or a fresh one.
+
+    `config.json` is read first, resumed or not: damaged, or a run of
+    another kind, it is an error (a new run never writes over what it cannot
+    tell apart). Resuming also needs this version's settings in it and a
+    readable `state.json`: never a silent restart.
+    """
+    fresh = {"kind": "layerwise", "stages": {}}
+    record = run.read_json("config.json")
+    if record is not None and record.get("kind") != "layerwise":
+        raise InputError(f"{run.path} holds a {record.get('kind') or 'unknown'} run, not a layer-wise one; "
+                         "use another --run-dir.")
     if not resume:
-        return {"kind": "layerwise", "stages": {}}
-    state = run.read_json("state.json", {"kind": "layerwise", "stages": {}})
-    if state.get("kind", "layerwise") != "layerwise":
-        raise InputError(f"{run.path} holds a {state.get('kind')} run, not a layer-wise one; use another "
-                         "--run-dir.")
+        return fresh
+    if record is not None:
+        read_settings(run, LayerwiseConfig)
+    state = run.read_json("state.json")
+    if state is None:
+        print(f"Nothing trained yet in {run.path}; resuming starts every stage from its checkpoints, if any.",
+              flush=True)
+        return fresh
+    stages = state.get("stages")
+    if state.get("kind") != "layerwise" or not isinstance(stages, dict) or any(
+            name not in STAGES or not isinstance(entry, dict) or not isinstance(entry.get("seconds"), (int, float))
+            for name, entry in stages.items()):
+        raise InputError(f"{run.file('state.json')} does not list the trained stages as this version writes "
+                         "them; restore it or start a new --run-dir.")
     trained = state.get("settings") or {}
     changed = [k for k in ARCHITECTURE if k in trained and trained[k] != getattr(config, k)]
     if changed:

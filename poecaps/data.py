@@ -12,6 +12,7 @@ import gzip
 import os
 import socket
 import struct
+import zlib
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def read_idx(path):
     try:
         with handle:
             raw = handle.read()
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zlib.error) as error:
         raise DataError(f"{path}: not a readable (gzipped) IDX file: {error}") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
         raise DataError(f"{path}: not an unsigned-byte IDX file (bad magic number)")

@@ -23,3 +23,22 @@ def mnist_dir():
     if not os.path.isdir(path):
         pytest.fail(f"the MNIST-5k test data is missing at {path}")
     return path
+
+
+# What the generated bad-input tests tried, per script, printed at the end of the run.
+_TRIES = {}
+
+
+@pytest.fixture
+def record_tries():
+    def record(script, what, count):
+        _TRIES.setdefault(script, {}).setdefault(what, 0)
+        _TRIES[script][what] += count
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _TRIES:
+        lines = [f"{script}: " + ", ".join(f"{count} {what}" for what, count in tried.items())
+                 for script, tried in sorted(_TRIES.items())]
+        terminalreporter.write_line("bad inputs tried, per script: " + "; ".join(lines))

@@ -140,3 +140,20 @@ def test_console_scripts_are_the_scripts_functions():
         result = subprocess.run([sys.executable, "-c", f"from {module} import {function}; {function}(['--help'])"],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-1000:]
+
+
+def test_an_install_claims_only_the_name_poecaps():
+    """Every installed package is poecaps or under it, and each maps to a folder of the checkout."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        setuptools = tomllib.load(handle)["tool"]["setuptools"]
+    assert all(p == "poecaps" or p.startswith("poecaps.") for p in setuptools["packages"])
+    for package, folder in setuptools["package-dir"].items():
+        assert package.split(".")[0] == "poecaps" and os.path.isfile(os.path.join(ROOT, folder, "__init__.py"))
+    # every folder with Python modules is packaged, so that nothing is left out of an install
+    packaged = {package for package in setuptools["packages"]}
+    for folder, package in LAYERS:
+        for module in _modules(folder, package):
+            parent = module if module in packaged else module.rsplit(".", 1)[0]
+            assert parent in packaged, module

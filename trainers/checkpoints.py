@@ -142,6 +142,8 @@ class CheckpointManager:
         """
         variables = trainer_state(trainer)
         paths = self.paths()
+        if not paths:
+            self.log(f"No checkpoint in {self.directory}; training starts from the beginning.")
         for k, path in enumerate(paths):
             try:
                 header, arrays = self._read(path)

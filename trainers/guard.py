@@ -99,12 +99,13 @@ class NonFiniteGuard(keras.callbacks.Callback):
                 handle.write(json.dumps(event) + "\n")
         where = f"epoch {self._epoch + 1}, batch {batch + 1}"
         if event["action"] == "stop":
-            more = (f" after {self.reductions} halvings of the learning rate"
-                    if self.policy == "reduce-lr" else "")
+            if self.policy == "reduce-lr":
+                more, advice = f" after {self.reductions} halvings of the learning rate", "the data"
+            else:
+                more, advice = "", "the data, or set on_nan=reduce-lr to halve the learning rate and go on"
             raise NonFiniteError(
                 f"Non-finite values ({', '.join(bad)}) at {where}{more}; the last good state was "
-                "restored and training stopped. Lower the learning rate, check the data, or pass "
-                "on_nan=reduce-lr to halve the learning rate and continue.")
+                f"restored and training stopped. Lower the learning rate or check {advice}.")
         self.log(f"WARNING: non-finite values ({', '.join(bad)}) at {where}; restored the last good "
                  f"state and halved the learning rate (now {now:g} of the schedule's, "
                  f"halving {self.reductions} of {self.max_reductions}).")

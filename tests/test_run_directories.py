@@ -1,0 +1,126 @@
+"""Every state a run directory can be in, given to every script: one line of answer, never a traceback."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+from poecaps.experiments import baseline_evaluation, baselines, commands, layerwise
+from poecaps.experiments.configs import BaselineConfig, LayerwiseConfig
+
+TINY = {"filters": 4, "kernel_size": 3, "capsule_dim": 2, "num_capsules": 2, "upper_dim": 2, "batch_size": 8,
+        "heldout_size": 4, "jit_cd": False, "encoder_epochs": 1, "decoder_epochs": 1}
+TINY_SET = [a for k, v in TINY.items() for a in ("--set", f"{k}={str(v).lower()}")]
+
+
+def _record(kind, config):
+    return {"kind": kind, "preset": None, "overrides": {}, "settings": dataclasses.asdict(config)}
+
+
+def _write(path, name, content):
+    os.makedirs(os.path.dirname(os.path.join(path, name)) or path, exist_ok=True)
+    with open(os.path.join(path, name), "w" if isinstance(content, str) else "wb") as handle:
+        handle.write(content)
+
+
+LAYERWISE = json.dumps(_record("layerwise", LayerwiseConfig(**TINY)))
+BASELINE = json.dumps(_record("baseline", BaselineConfig()))
+
+
+def _states(kind):
+    """`{state: function(path) that makes it}` for a run directory that should hold a `kind` run."""
+    own, other = (LAYERWISE, BASELINE) if kind == "layerwise" else (BASELINE, LAYERWISE)
+    settings = json.loads(own)["settings"]
+    return {
+        "missing": lambda p: None,
+        "a file": lambda p: _write(os.path.dirname(p), os.path.basename(p), "not a folder"),
+        "empty": lambda p: os.makedirs(p),
+        "unreadable config.json": lambda p: _write(p, "config.json", b"\x00{not json"),
+        "config.json not an object": lambda p: _write(p, "config.json", "[1, 2, 3]"),
+        "config.json of another kind": lambda p: _write(p, "config.json", other),
+        "config.json of another version": lambda p: _write(p, "config.json", json.dumps(
+            {**json.loads(own), "settings": {**settings, "pose_constraint": "none"}})),
+        "config.json with a bad setting": lambda p: _write(p, "config.json", json.dumps(
+            {**json.loads(own), "settings": {**settings, "batch_size": 0}})),
+        "unreadable state.json": lambda p: (_write(p, "config.json", own), _write(p, "state.json", "{{{")),
+        "state.json of another shape": lambda p: (_write(p, "config.json", own), _write(
+            p, "state.json", json.dumps({"kind": kind, "stages": {"encoder": 3}, "settings": settings}
+                                        if kind == "layerwise" else {"kind": kind, "settings": "x"}))),
+        "models missing": lambda p: (_write(p, "config.json", own), os.makedirs(os.path.join(p, "models"))),
+        "damaged models": lambda p: [_write(p, f"models/{name}.keras", b"PK\x03\x04 damaged")
+                                     for name in ("autoencoder", "encoder", "decoder", "model")]
+                                    + [_write(p, "config.json", own)],
+        "checkpoint folders without checkpoints": lambda p: (
+            _write(p, "config.json", own), os.makedirs(os.path.join(p, "checkpoints", "autoencoder")),
+            os.makedirs(os.path.join(p, "checkpoints", "baseline"))),
+    }
+
+
+def _answer(capsys, main, argv):
+    """(exit status, stdout, stderr lines) of a script's main; any other exception fails the test."""
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    captured = capsys.readouterr()
+    return code, captured.out, [line for line in captured.err.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def tiny_data(monkeypatch):
+    """Runs that start train on 16 random images of 9 x 9 (baselines: 28 x 28), and baselines only one step."""
+    rng = np.random.default_rng(0)
+
+    def load(config, split):
+        side = 28 if isinstance(config, BaselineConfig) else 9
+        images = rng.uniform(size=(16, side, side, 1)).astype("float32")
+        return images, np.arange(16) % 10, "random"
+    for module in (layerwise, baselines, baseline_evaluation):
+        monkeypatch.setattr(module, "load_images", load)
+    monkeypatch.setattr(baselines, "fit_resumable", lambda trainer, *a, **k: {"loss": [1.0]})
+
+
+SCRIPTS = {
+    "train_layerwise.py": (commands.train_layerwise, "layerwise", ["--no-evaluate", "--stage", "autoencoder"]),
+    "train_layerwise.py --resume": (commands.train_layerwise, "layerwise",
+                                    ["--resume", "--no-evaluate", "--stage", "autoencoder"]),
+    "sample.py": (commands.sample, "layerwise", []),
+    "evaluate.py": (commands.evaluate, "layerwise", []),
+    "baseline.py --resume": (commands.baseline, "baseline", ["--resume", "--set", "epochs=1"]),
+    "baseline.py --evaluate-only": (commands.baseline, "baseline", ["--evaluate-only"]),
+}
+# The states in which a script has nothing to refuse and runs (each with its note where it has one).
+_FRESH = {"missing", "empty", "models missing", "checkpoint folders without checkpoints", "damaged models"}
+RUNS = {("train_layerwise.py", s) for s in _FRESH | {"config.json of another version",
+                                                      "config.json with a bad setting", "unreadable state.json",
+                                                      "state.json of another shape"}}
+RUNS |= {(script, s) for s in _FRESH for script in ("train_layerwise.py --resume", "baseline.py --resume")}
+NOTES = {("train_layerwise.py --resume", "checkpoint folders without checkpoints"): "No checkpoint in ",
+         ("train_layerwise.py --resume", "empty"): "Nothing trained yet in "}
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_every_run_directory_state_gets_one_line(tmp_path, capsys, monkeypatch, tiny_data, record_tries, script):
+    main, kind, extra = SCRIPTS[script]
+    if script == "baseline.py --resume":   # a run that trains is evaluated elsewhere
+        monkeypatch.setattr(baseline_evaluation, "evaluate_baseline", lambda run_dir, config=None: {"stub": 1})
+    tried = 0
+    for state, make in _states(kind).items():
+        run_dir = str(tmp_path / state.replace(" ", "_") / "run")
+        os.makedirs(os.path.dirname(run_dir))
+        make(run_dir)
+        settings = TINY_SET if script.startswith("train") else []
+        code, out, err = _answer(capsys, main, ["--run-dir", run_dir, *extra, *settings])
+        tried += 1
+        if (script, state) in RUNS:
+            assert code in (0, None), (script, state, err)
+            if (script, state) in NOTES:
+                assert NOTES[script, state] in out, (script, state, out[-500:])
+        else:
+            assert code == 2, (script, state, code, out[-300:], err)
+            assert len(err) == 1 and err[0].startswith("error: "), (script, state, err)
+            assert "Traceback" not in out
+    record_tries(script, "run-directory states", tried)
