@@ -7,6 +7,7 @@ accepts exactly what the Python API does. Free of TensorFlow, so that
 """
 
 import argparse
+import gc
 import os
 import sys
 
@@ -100,5 +101,9 @@ def run_main(main, argv=None):
     except (PoecapsError, ValueError, OSError) as error:
         if os.environ.get("POECAPS_DEBUG"):
             raise
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)   # one line, whatever the message
-        raise SystemExit(2) from None
+        message = " ".join(str(error).split())          # one line, whatever the message
+    # Out of the except block the error's frames are gone: a training loop it interrupted (its data
+    # iterators) is finalised now, while the interpreter can still do it quietly.
+    gc.collect()
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
