@@ -1,3 +1,5 @@
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -443,3 +445,27 @@ def test_decoder_l2_applies_to_the_decoder_stage_alone():
     config = LayerwiseConfig(l2=1e-3, decoder_l2=0.0)
     assert [stage_l2(config, stage) for stage in ("encoder", "decoder", "rbm")] == [1e-3, 0.0, 1e-3]
     assert stage_l2(LayerwiseConfig(l2=1e-3), "decoder") == 1e-3
+
+
+def test_a_stage_with_non_finite_outputs_is_refused_by_name(tmp_path, rng, monkeypatch):
+    """An encoder whose weights are finite but whose capsules overflow never feeds the decoder stage."""
+    from poecaps.errors import NonFiniteError
+    from poecaps.experiments import layerwise
+    from poecaps.experiments.runs import RunDir
+    from poecaps.models.saving import load_component, save_component
+
+    config = LayerwiseConfig(filters=4, kernel_size=3, capsule_dim=2, num_capsules=3, upper_dim=2,
+                             batch_size=8, heldout_size=4, jit_cd=False)
+    run = RunDir(str(tmp_path / "run"))
+    images = rng.uniform(size=(16, 9, 9, 1)).astype("float32")
+    autoencoder = ConvAutoencoder(4, 3, 2, 0.0, seed=0)
+    autoencoder.build((None, 9, 9, 1))
+    save_component(autoencoder, run.models + "/autoencoder.keras")
+    monkeypatch.setattr(layerwise, "_fit", lambda trainer, x, *args, **kwargs: None)
+    layerwise.train_stage("encoder", config, run, images, images)
+    encoder = load_component(run.models + "/encoder.keras")
+    encoder.kernel.assign(np.full(encoder.kernel.shape, 1e30, "float32"))     # finite, overflowing
+    save_component(encoder, run.models + "/encoder.keras")
+    with pytest.raises(NonFiniteError, match="The encoder stage's outputs .* lower cd_learning_rate"):
+        layerwise.train_stage("decoder", config, run, images, images)
+    assert not os.path.exists(run.models + "/decoder.keras")
