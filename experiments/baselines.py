@@ -11,7 +11,13 @@ import numpy as np
 from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.experiments.configs import BaselineConfig
-from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.experiments.runs import (
+    RunDir,
+    check_same_model,
+    load_images,
+    read_settings,
+    run_record,
+)
 from poecaps.models import CapsNet, MatrixCapsNet
 from poecaps.models.matrix_capsnet import CHUNK_CAPSULES
 from poecaps.models.saving import save_component
@@ -45,15 +51,6 @@ def build_network(config, image_shape, num_classes, steps_per_epoch):
                          **sizes)
 
 
-def _check_kind(run):
-    """An `InputError` if the run directory's `config.json` is damaged or of another kind."""
-    record = run.read_json("config.json")
-    if record is not None and record.get("kind") != "baseline":
-        raise InputError(f"{run.path} holds a {record.get('kind') or 'unknown'} run, not a baseline; "
-                         "use another --run-dir.")
-    return record
-
-
 def _resume_state(run, config, record):
     """The run's `state.json`, checked: this version's settings, a readable state, the same model."""
     if record is not None:
@@ -62,12 +59,7 @@ def _resume_state(run, config, record):
     if state and (state.get("kind") != "baseline" or not isinstance(state.get("settings"), dict)):
         raise InputError(f"{run.file('state.json')} is not a baseline's state as this version writes it; "
                          "restore it or start a new --run-dir.")
-    trained = state.get("settings") or {}
-    changed = [k for k in ARCHITECTURE if k in trained and trained[k] != getattr(config, k)]
-    if changed:
-        raise InputError(f"{run.path} was trained with other {', '.join(changed)} (was "
-                         f"{', '.join(repr(trained[k]) for k in changed)}); resume it with the same values "
-                         "or use a new --run-dir.")
+    check_same_model(run, state.get("settings") or {}, config, ARCHITECTURE)
     return state
 
 
@@ -91,16 +83,17 @@ def train_baseline(config, run_dir, record=None, resume=False):
         raise InputError(f"config must be a BaselineConfig. Received: {type(config).__name__}")
     keras.utils.set_random_seed(config.seed)
     run = RunDir(run_dir)
-    record = _check_kind(run)
+    existing = run_record(run, "baseline")
     if resume:
-        _resume_state(run, config, record)
+        _resume_state(run, config, existing)
     else:
         for name in ("metrics.jsonl", "faults.jsonl"):
             if os.path.exists(run.file(name)):
                 os.remove(run.file(name))
     strategy = distribute.get_strategy(config.strategy)
     settings = dataclasses.asdict(config)
-    run.write_json("config.json", {**(record or {"kind": "baseline", "preset": None, "overrides": {}}),
+    record = record or existing or {"kind": "baseline", "preset": None, "overrides": {}}
+    run.write_json("config.json", {**record,
                                    "settings": settings})
     train, train_labels, source = load_images(config, "train")
     test, test_labels, _ = load_images(config, "test")

@@ -21,7 +21,13 @@ from poecaps.capsules import with_length
 from poecaps.errors import InputError, NonFiniteError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import STAGES, LayerwiseConfig
-from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.experiments.runs import (
+    RunDir,
+    check_same_model,
+    load_images,
+    read_settings,
+    run_record,
+)
 from poecaps.experiments.trained import store_training_capsules
 from poecaps.experts import CapsuleExperts
 from poecaps.graphs import batched
@@ -231,10 +237,7 @@ def _resume_state(run, config, resume):
     readable `state.json`: never a silent restart.
     """
     fresh = {"kind": "layerwise", "stages": {}}
-    record = run.read_json("config.json")
-    if record is not None and record.get("kind") != "layerwise":
-        raise InputError(f"{run.path} holds a {record.get('kind') or 'unknown'} run, not a layer-wise one; "
-                         "use another --run-dir.")
+    record = run_record(run, "layerwise")
     if not resume:
         return fresh
     if record is not None:
@@ -250,12 +253,7 @@ def _resume_state(run, config, resume):
             for name, entry in stages.items()):
         raise InputError(f"{run.file('state.json')} does not list the trained stages as this version writes "
                          "them; restore it or start a new --run-dir.")
-    trained = state.get("settings") or {}
-    changed = [k for k in ARCHITECTURE if k in trained and trained[k] != getattr(config, k)]
-    if changed:
-        raise InputError(f"{run.path} was trained with other {', '.join(changed)} (was "
-                         f"{', '.join(repr(trained[k]) for k in changed)}); resume it with the same values "
-                         "or use a new --run-dir.")
+    check_same_model(run, state.get("settings") or {}, config, ARCHITECTURE)
     return state
 
 

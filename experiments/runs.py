@@ -89,13 +89,11 @@ def read_settings(run, config_cls):
     declarations refuse are each one `InputError`.
     """
     expected = next(kind for kind, cls in KINDS.items() if cls is config_cls)
-    record = run.read_json("config.json")
+    record = run_record(run, expected)
     if record is None:
         raise InputError(f"{run.path} has no config.json, so it holds no trained run; train one first "
                          "or pass another --run-dir.")
-    kind, settings = record.get("kind"), record.get("settings")
-    if kind != expected:
-        raise InputError(f"{run.path} holds a {kind or 'unknown'} run; this needs a {expected} run.")
+    settings = record.get("settings")
     if not isinstance(settings, dict):
         raise InputError(f"{run.file('config.json')} has no settings; restore it or start a new --run-dir.")
     unknown = sorted(set(settings) - set(specs(config_cls)))
@@ -106,3 +104,22 @@ def read_settings(run, config_cls):
         return config_cls(**settings)
     except SettingError as error:
         raise InputError(f"{run.file('config.json')}: {error}") from None
+
+
+def run_record(run, kind):
+    """The run's `config.json` record, or None for a new run; an `InputError` if it is damaged or holds
+    another kind of run (a new run never writes over what it cannot tell apart)."""
+    record = run.read_json("config.json")
+    if record is not None and record.get("kind") != kind:
+        raise InputError(f"{run.path} holds a {record.get('kind') or 'unknown'} run; this needs a {kind} run "
+                         "(use another --run-dir).")
+    return record
+
+
+def check_same_model(run, trained, config, names):
+    """An `InputError` naming each of `names` whose value in `trained` (a state's settings) differs from `config`."""
+    changed = [k for k in names if k in trained and trained[k] != getattr(config, k)]
+    if changed:
+        raise InputError(f"{run.path} was trained with other {', '.join(changed)} (was "
+                         f"{', '.join(repr(trained[k]) for k in changed)}); resume it with the same values "
+                         "or use a new --run-dir.")
