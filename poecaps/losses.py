@@ -52,6 +52,15 @@ def spread_loss(labels, activations, margin):
     return ops.sum((1.0 - t) * ops.square(ops.relu(margin - (a_target - activations))), axis=-1)
 
 
+def softmax_cross_entropy(labels, logits):
+    """Softmax cross-entropy of integer `labels` `[B]` under `logits` `[B, K]`; returns `[B]`.
+
+    Faria's learned-routing network uses its class activations as the logits.
+    """
+    log_p = logits - ops.logsumexp(logits, axis=-1, keepdims=True)
+    return -ops.sum(_one_hot(labels, logits.shape[-1], logits.dtype) * log_p, axis=-1)
+
+
 def reconstruction_loss(images, reconstructions):
     """Summed squared error per example (CapsNet weighs it by 0.0005); returns `[B]`."""
     flat = lambda x: ops.reshape(x, (ops.shape(x)[0], -1))

@@ -32,6 +32,11 @@ def kernel_shape(num_in, num_out, out_dim, in_dim, pose):
     return (num_in, num_out, out_dim, in_dim)
 
 
+def frobenius_normalized(kernel, epsilon=1e-7):
+    """Each transformation matrix over its Frobenius norm: `W_ij / |W_ij|_F` (last two axes)."""
+    return kernel / ops.sqrt(ops.sum(ops.square(kernel), axis=(-2, -1), keepdims=True) + epsilon)
+
+
 def capsule_votes(inputs, kernel, pose="vector"):
     """Votes `u_{j|i}` of lower capsules `[B, I, D_in]` for `J` parents: `[B, I, J, D_out]`.
 
@@ -72,6 +77,8 @@ class CapsuleDense(keras.layers.Layer):
             optimizer update (e.g. `poecaps.constraints.IsometricPoses`).
         pose: "vector" (`W_ij` is D_out x D_in) or "matrix" (4x4 pose
             matrices flattened to 16-D, `V_ij = M_i W_ij`, Hinton et al.).
+        frobenius_votes: vote with `W_ij / |W_ij|_F` (Faria eq. 1), so a
+            vote is never longer than its child's pose.
 
     Call arguments:
         inputs: `[B, I, D_in]` lower capsules.
@@ -89,7 +96,7 @@ class CapsuleDense(keras.layers.Layer):
 
     def __init__(self, num_capsules, capsule_dim, routing="dynamic",
                  kernel_initializer=None, kernel_regularizer=None, pose="vector", kernel_constraint=None,
-                 **kwargs):
+                 frobenius_votes=False, **kwargs):
         super().__init__(**kwargs)
         for name, value in (("num_capsules", num_capsules), ("capsule_dim", capsule_dim)):
             if not isinstance(value, int) or value <= 0:
@@ -104,6 +111,7 @@ class CapsuleDense(keras.layers.Layer):
             or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.frobenius_votes = frobenius_votes
         if pose == "matrix" and isinstance(self.kernel_constraint, IsometricPoses):
             raise ValueError("IsometricPoses constrains vector-pose maps [I, J, D_out, D_in]. "
                              "Received: pose='matrix'")
@@ -123,8 +131,12 @@ class CapsuleDense(keras.layers.Layer):
         if not self.routing.built:
             self.routing.build((None, num_in, self.num_capsules, self.capsule_dim))
 
+    def voting_kernel(self):
+        """The matrices the votes use: `W`, or `W_ij / |W_ij|_F` with `frobenius_votes`."""
+        return frobenius_normalized(self.kernel) if self.frobenius_votes else self.kernel
+
     def votes(self, inputs):
-        return capsule_votes(inputs, self.kernel, self.pose)
+        return capsule_votes(inputs, self.voting_kernel(), self.pose)
 
     def route(self, inputs, activations=None, training=None):
         """The whole `RoutingResult` (poses, activations, coefficients)."""
@@ -132,7 +144,7 @@ class CapsuleDense(keras.layers.Layer):
             self.build(tuple(inputs.shape))
         if (self.pose == "vector" and hasattr(self.routing, "route_linear")
                 and self.num_capsules <= self.kernel.shape[0]):
-            return self.routing.route_linear(inputs, self.kernel, activations)
+            return self.routing.route_linear(inputs, self.voting_kernel(), activations)
         return self.routing(self.votes(inputs), activations, training=training)
 
     def call(self, inputs, activations=None, training=None):
@@ -151,5 +163,6 @@ class CapsuleDense(keras.layers.Layer):
             kernel_regularizer=keras.regularizers.serialize(self.kernel_regularizer),
             pose=self.pose,
             kernel_constraint=keras.constraints.serialize(self.kernel_constraint),
+            frobenius_votes=self.frobenius_votes,
         )
         return config

@@ -10,7 +10,12 @@ from keras import ops
 
 from poecaps import routing as routing_lib
 from poecaps.chunks import map_in_chunks
-from poecaps.layers.capsule_dense import capsule_votes, kernel_shape, pose_size
+from poecaps.layers.capsule_dense import (
+    capsule_votes,
+    frobenius_normalized,
+    kernel_shape,
+    pose_size,
+)
 from poecaps.routing.base import RoutingResult
 
 
@@ -41,7 +46,8 @@ def capsule_patches(x, kernel_size, strides):
 class _CapsuleMapLayer(keras.layers.Layer):
     """Shared arguments and config of the capsule layers that read capsule maps."""
 
-    def __init__(self, num_capsules, capsule_dim, routing, pose, kernel_initializer, **kwargs):
+    def __init__(self, num_capsules, capsule_dim, routing, pose, kernel_initializer, frobenius_votes=False,
+                 **kwargs):
         super().__init__(**kwargs)
         for name, value in (("num_capsules", num_capsules), ("capsule_dim", capsule_dim)):
             if not isinstance(value, int) or value <= 0:
@@ -51,9 +57,14 @@ class _CapsuleMapLayer(keras.layers.Layer):
         self.capsule_dim = capsule_dim
         self.pose = pose
         self.routing = routing_lib.get(routing)
+        self.frobenius_votes = frobenius_votes
         self.kernel_initializer = keras.initializers.get(
             kernel_initializer
             or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))
+
+    def voting_kernel(self):
+        """The matrices the votes use: `W`, or `W_ij / |W_ij|_F` with `frobenius_votes`."""
+        return frobenius_normalized(self.kernel) if self.frobenius_votes else self.kernel
 
     def _build_kernel(self, num_in, in_dim, num_votes):
         self.kernel = self.add_weight(
@@ -70,7 +81,8 @@ class _CapsuleMapLayer(keras.layers.Layer):
         config.update(
             num_capsules=self.num_capsules, capsule_dim=self.capsule_dim, pose=self.pose,
             routing=keras.saving.serialize_keras_object(self.routing),
-            kernel_initializer=keras.initializers.serialize(self.kernel_initializer))
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+            frobenius_votes=self.frobenius_votes)
         return config
 
 
@@ -93,6 +105,7 @@ class ConvCapsules(_CapsuleMapLayer):
         routing: routing name, config or instance (default EM).
         pose: "matrix" or "vector".
         kernel_initializer: initializer of W.
+        frobenius_votes: vote with `W_ij / |W_ij|_F` (Faria eq. 1).
         chunk_size: None (votes and routing for the whole folded batch at
             once) or the number of receptive fields whose votes and routing
             are computed together (`poecaps.chunks.map_in_chunks`, the
@@ -141,7 +154,7 @@ class ConvCapsules(_CapsuleMapLayer):
                 capsule_patches(activations, self.kernel_size, self.strides), (-1, num_in))
 
         def route_folded(poses, act=None):
-            return self.routing(capsule_votes(poses, self.kernel, self.pose), act,
+            return self.routing(capsule_votes(poses, self.voting_kernel(), self.pose), act,
                                 training=training)
 
         inputs = [folded] + ([] if folded_act is None else [folded_act])
@@ -181,7 +194,7 @@ class ClassCapsules(_CapsuleMapLayer):
     Args:
         num_capsules: J, the number of classes.
         capsule_dim: pose size (16 for 4x4 matrices).
-        routing, pose, kernel_initializer: as `ConvCapsules`.
+        routing, pose, kernel_initializer, frobenius_votes: as `ConvCapsules`.
         coordinate_addition: whether to add the scaled coordinates.
 
     Call arguments:
@@ -221,7 +234,7 @@ class ClassCapsules(_CapsuleMapLayer):
         _, h, w, types, dim = inputs.shape
         flat = ops.reshape(inputs, (-1, h * w, types, dim))
         # [B, P, T, D] with W [T, J, ...]: every position votes with its type's matrices.
-        votes = capsule_votes(ops.reshape(flat, (-1, types, dim)), self.kernel, self.pose)
+        votes = capsule_votes(ops.reshape(flat, (-1, types, dim)), self.voting_kernel(), self.pose)
         votes = ops.reshape(votes, (-1, h * w * types, self.num_capsules, self.capsule_dim))
         if self.coordinate_addition:
             votes = votes + ops.cast(self._coordinates(h, w, types), votes.dtype)[None, :, None]

@@ -1,21 +1,29 @@
 """Routing procedures, one per module, all behind one interface.
 
 `get(name_or_instance, **kwargs)` resolves `"dynamic"` (alias `"sabour"`),
-`"cosine"` (dynamic routing with cosine agreement, Hauser), a config dict,
-`"em"` (EM routing of matrix capsules), or a `Routing` instance.
+`"cosine"` (dynamic routing with cosine agreement, Hauser), `"uniform"`
+(one round of dynamic routing: uniform coefficients, the no-routing
+ablation), `"em"` (EM routing of matrix capsules), `"similarity"` and
+`"connectionist"` (Faria's learned routings), a config dict, or a `Routing`
+instance.
 """
 
 import keras
 
 from poecaps.routing.base import Routing, RoutingResult
+from poecaps.routing.connectionist import ConnectionistRouting
 from poecaps.routing.dynamic import DynamicRouting
 from poecaps.routing.em import EMRouting
+from poecaps.routing.similarity import SimilarityRouting
 
 _REGISTRY = {
     "dynamic": lambda **kw: DynamicRouting(**kw),
     "sabour": lambda **kw: DynamicRouting(**{"agreement": "dot", **kw}),
     "cosine": lambda **kw: DynamicRouting(**{"agreement": "cosine", **kw}),
+    "uniform": lambda **kw: DynamicRouting(**{"iterations": 1, **kw}),
     "em": lambda **kw: EMRouting(**kw),
+    "similarity": lambda **kw: SimilarityRouting(**kw),
+    "connectionist": lambda **kw: ConnectionistRouting(**kw),
 }
 
 
@@ -33,4 +41,5 @@ def get(identifier, **kwargs):
     )
 
 
-__all__ = ["DynamicRouting", "EMRouting", "Routing", "RoutingResult", "get"]
+__all__ = ["ConnectionistRouting", "DynamicRouting", "EMRouting", "Routing", "RoutingResult",
+           "SimilarityRouting", "get"]

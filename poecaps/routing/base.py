@@ -23,7 +23,13 @@ class Routing(keras.layers.Layer):
 
     Returns:
         `RoutingResult(poses, activations, coefficients)`.
+
+    `normalizes` names the axis the coefficients sum to 1 over: "parents"
+    (sum_j c_ij = 1) or "children" (sum_i c_ij = 1); routing statistics
+    (entropy) take that axis.
     """
+
+    normalizes = "parents"
 
     def __init__(self, iterations=3, **kwargs):
         super().__init__(**kwargs)

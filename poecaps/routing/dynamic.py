@@ -74,6 +74,10 @@ class DynamicRouting(Routing):
         self.agreement = agreement
         self.normalize = normalize
 
+    @property
+    def normalizes(self):
+        return self.normalize
+
     def _loop(self, logits, softmax_axis, weighted_sum, dot_with_votes, vote_norms, v_norm,
               uniform_sum=None):
         """The routing loop, written once for both vote layouts; returns (c, z).

@@ -1,0 +1,148 @@
+"""Connectionist routing: an LSTM cell shared by every (child, parent) pair learns to route (Faria, 4.2)."""
+
+import keras
+from keras import ops
+
+from poecaps.routing.base import Routing, RoutingResult
+
+
+def _mlp(hidden, name, seed):
+    """ReLU layers of sizes `hidden`, then one linear output unit."""
+    init = lambda k: keras.initializers.GlorotUniform(seed=None if seed is None else seed + k)
+    layers = [keras.layers.Dense(units, activation="relu", kernel_initializer=init(k), name=f"{name}_{k}")
+              for k, units in enumerate(hidden)]
+    layers.append(keras.layers.Dense(1, kernel_initializer=init(len(hidden)), name=f"{name}_out"))
+    return layers
+
+
+def _check_hidden(name, hidden):
+    hidden = tuple(hidden)
+    if any(not isinstance(units, int) or units < 1 for units in hidden):
+        raise ValueError(f"{name} must be a sequence of positive integers. Received: {name}={hidden!r}")
+    return hidden
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class ConnectionistRouting(Routing):
+    """Routing learned by an LSTM cell and two small networks (Faria, section 4.2, Algorithm 2, eq. 14).
+
+    One LSTM cell of `units` units, shared by every (child i, parent j) pair,
+    reads per pair the previous parent pose, the vote, the previous
+    coefficient and the child's activation,
+
+        x_ij(t) = [mu_j(t-1), V_ij, c_ij(t-1), a_i]                (2D + 2 values)
+
+    with its hidden state h and cell state m starting at zero and carried
+    over the iterations (gates i, f, g, o as Keras' `LSTMCell`):
+
+        [i, f, g, o] = x W + h W_h + b
+        m <- sigmoid(f) m + sigmoid(i) tanh(g);   h <- sigmoid(o) tanh(m)
+
+    Starting from `c_ij = 1/I`, `mu_j = sum_i c_ij V_ij`, each of `iterations`
+    rounds steps the cell once for every pair, then
+
+        c_ij = softmax_i f_c(h_ij),        mu_j = sum_i c_ij V_ij
+
+    and after the last round (eq. 14) `a_j = sigmoid(f_a(sum_i c_ij m_ij))`.
+    `f_c` and `f_a` are ReLU networks with a linear scalar output, shared
+    over pairs (Table 2: hidden sizes none / none in the first
+    convolutional capsule layer, [32, 32] / [64, 64] in the second,
+    [64, 64] / [124, 124] in the class layer). The coefficients are
+    normalised over the children (`sum_i c_ij = 1`).
+
+    The input projection `x W` is split by the input's parts: the votes'
+    share `V_ij W_V` is computed once, the poses' `mu_j W_mu` once per parent
+    and round, so no `[B, I, J, 2D + 2]` input is ever formed.
+
+    Args:
+        iterations: rounds T (3 in the paper), >= 0.
+        units: LSTM units (16 in the paper).
+        compatibility_hidden: hidden sizes of f_c.
+        activation_hidden: hidden sizes of f_a.
+        seed: seed of the initial weights (Glorot uniform kernels, an
+            orthogonal recurrent kernel, forget-gate bias 1, as Keras' LSTM).
+
+    Call arguments:
+        votes: `[B, I, J, D]`.
+        activations: `[B, I]` or None (ones).
+
+    Returns:
+        `RoutingResult(poses = mu [B, J, D], activations = a [B, J],
+        coefficients = c [B, I, J])`, c summing to 1 over i.
+
+    Example:
+    >>> routing = ConnectionistRouting(iterations=3, units=16, compatibility_hidden=(32, 32))
+    >>> routing(keras.random.normal((2, 18, 5, 16))).poses.shape
+    (2, 5, 16)
+    """
+
+    normalizes = "children"
+
+    def __init__(self, iterations=3, units=16, compatibility_hidden=(), activation_hidden=(), seed=None,
+                 **kwargs):
+        super().__init__(iterations=iterations, **kwargs)
+        if not isinstance(units, int) or units < 1:
+            raise ValueError(f"units must be a positive integer. Received: units={units!r}")
+        self.units = units
+        self.compatibility_hidden = _check_hidden("compatibility_hidden", compatibility_hidden)
+        self.activation_hidden = _check_hidden("activation_hidden", activation_hidden)
+        self.seed = seed
+        offset = lambda k: None if seed is None else seed + k
+        self.compatibility_layers = _mlp(self.compatibility_hidden, "compatibility", offset(10))
+        self.activation_layers = _mlp(self.activation_hidden, "activation", offset(20))
+
+    def build(self, votes_shape, activations_shape=None):
+        dim = votes_shape[3]
+        seeded = lambda cls, k: cls(seed=None if self.seed is None else self.seed + k)
+        self.kernel = self.add_weight(name="kernel", shape=(2 * dim + 2, 4 * self.units),
+                                      initializer=seeded(keras.initializers.GlorotUniform, 0))
+        self.recurrent_kernel = self.add_weight(name="recurrent_kernel", shape=(self.units, 4 * self.units),
+                                                initializer=seeded(keras.initializers.Orthogonal, 1))
+        forget_one = [0.0] * self.units + [1.0] * self.units + [0.0] * 2 * self.units
+        self.bias = self.add_weight(name="bias", shape=(4 * self.units,),
+                                    initializer=keras.initializers.Constant(forget_one))
+        for layers, width in ((self.compatibility_layers, self.units), (self.activation_layers, self.units)):
+            for layer in layers:
+                layer.build((None, width))
+                width = layer.units
+
+    @staticmethod
+    def _apply(layers, x):
+        for layer in layers:
+            x = layer(x)
+        return x[..., 0]
+
+    def call(self, votes, activations=None, training=None):
+        votes = ops.cast(votes, "float32")
+        num_in, dim = votes.shape[1], votes.shape[3]
+        a = ops.ones(ops.shape(votes)[:2]) if activations is None else ops.cast(activations, "float32")
+        kernel = ops.cast(self.kernel, "float32")
+        k_mu, k_vote, k_c, k_a = kernel[:dim], kernel[dim:2 * dim], kernel[2 * dim], kernel[2 * dim + 1]
+        recurrent = ops.cast(self.recurrent_kernel, "float32")
+        # The parts of x W that do not change over the rounds: the vote's and the child activation's.
+        # [B, I, J, D] x [D, 4U] -> [B, I, J, 4U]
+        fixed = (ops.einsum("bijd,dg->bijg", votes, k_vote) + a[:, :, None, None] * k_a
+                 + ops.cast(self.bias, "float32"))
+        # [B, I, J] x [B, I, J, D] -> [B, J, D]
+        weighted_mean = lambda c: ops.einsum("bij,bijd->bjd", c, votes)
+        c = ops.ones(ops.shape(votes)[:3]) / num_in
+        mu = weighted_mean(c)
+        h = m = ops.zeros((*ops.shape(votes)[:3], self.units))
+        for _ in range(self.iterations):
+            # [B, J, D] x [D, 4U] -> [B, 1, J, 4U];  [B, I, J, U] x [U, 4U] -> [B, I, J, 4U]
+            gates = (fixed + ops.matmul(mu, k_mu)[:, None] + c[..., None] * k_c
+                     + ops.matmul(h, recurrent))
+            i, f, g, o = ops.split(gates, 4, axis=-1)
+            m = ops.sigmoid(f) * m + ops.sigmoid(i) * ops.tanh(g)
+            h = ops.sigmoid(o) * ops.tanh(m)
+            c = ops.softmax(self._apply(self.compatibility_layers, h), axis=1)
+            mu = weighted_mean(c)
+        # [B, I, J] x [B, I, J, U] -> [B, J, U]
+        pooled = ops.einsum("bij,biju->bju", c, m)
+        return RoutingResult(mu, ops.sigmoid(self._apply(self.activation_layers, pooled)), c)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(units=self.units, compatibility_hidden=list(self.compatibility_hidden),
+                      activation_hidden=list(self.activation_hidden), seed=self.seed)
+        return config
