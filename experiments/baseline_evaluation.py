@@ -53,11 +53,31 @@ def _transformed(fn, images, batch_size):
                            for s in range(0, len(images), batch_size)])
 
 
-def coefficient_entropy(coefficients):
-    """Mean over examples and lower capsules of `-sum_j c_ij log c_ij`, and that over log J."""
+def coefficient_entropy(coefficients, normalizes="parents"):
+    """The mean entropy of the coefficients `[N, I, J]` along the axis they sum to 1 over, and that over its log.
+
+    `normalizes="parents"`: `-sum_j c_ij log c_ij` averaged over examples and
+    children, over log J; "children": `-sum_i c_ij log c_ij` averaged over
+    examples and parents, over log I. 1 means uniform coefficients.
+    """
+    axis = -1 if normalizes == "parents" else -2
     c = np.clip(coefficients, 1e-12, 1.0)
-    entropy = float(np.mean(-np.sum(c * np.log(c), axis=-1)))
-    return entropy, entropy / float(np.log(coefficients.shape[-1]))
+    entropy = float(np.mean(-np.sum(c * np.log(c), axis=axis)))
+    return entropy, entropy / float(np.log(coefficients.shape[axis]))
+
+
+def routing_statistics(model, coefficients):
+    """The class layer's coefficient entropy along its router's axis (`coefficient_entropy`)."""
+    normalizes = model.class_capsules.routing.normalizes
+    entropy, normalised = coefficient_entropy(coefficients, normalizes)
+    return {"normalizes": normalizes, "coefficient_entropy": entropy, "coefficient_entropy_normalised": normalised}
+
+
+def parameter_counts(model):
+    """`{"routing": n, "other": m}`: trainable parameters of the routers and of the rest of the network."""
+    size = lambda weights: int(sum(np.prod(w.shape) for w in weights))
+    routing = size(w for router in model.routers for w in router.trainable_weights)
+    return {"routing": routing, "other": size(model.trainable_weights) - routing}
 
 
 def hoyer_sparsity(scores):
@@ -111,7 +131,6 @@ def evaluate_baseline(run_dir, config=None):
     test, labels = test[:config.test_limit or None], labels[:config.test_limit or None]
     predict = compiled_predictor(model, jit_compile=train_config.xla)
     scores, coefficients = predict_in_batches(predict, test, config.batch_size)
-    entropy, normalised = coefficient_entropy(coefficients)
     seed = keras.random.SeedGenerator(config.seed)
     affine = _transformed(lambda x: transforms.random_affine(x, seed=seed), test, config.batch_size)
     result = {
@@ -124,8 +143,9 @@ def evaluate_baseline(run_dir, config=None):
                                                       test, config.batch_size),
                                   labels, config.batch_size)
             for angle in ROTATIONS},
-        "routing": {"coefficient_entropy": entropy, "coefficient_entropy_over_log_j": normalised,
+        "routing": {"router": train_config.router, **routing_statistics(model, coefficients),
                     "class_score_hoyer_sparsity": hoyer_sparsity(scores)},
+        "parameters": parameter_counts(model),
         "train": run.read_json("state.json", {}),
     }
     result["train"].pop("settings", None)

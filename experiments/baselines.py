@@ -10,6 +10,11 @@ import numpy as np
 
 from poecaps import distribute
 from poecaps.errors import InputError
+from poecaps.experiments.baseline_evaluation import (
+    compiled_predictor,
+    predict_in_batches,
+    routing_statistics,
+)
 from poecaps.experiments.configs import BaselineConfig
 from poecaps.experiments.runs import (
     RunDir,
@@ -18,8 +23,10 @@ from poecaps.experiments.runs import (
     read_settings,
     run_record,
 )
-from poecaps.models import CapsNet, MatrixCapsNet
+from poecaps.experiments.step_costs import StepTimer, peak_step_bytes
+from poecaps.models import CapsNet, MatrixCapsNet, RoutingCapsNet
 from poecaps.models.matrix_capsnet import CHUNK_CAPSULES
+from poecaps.models.routing_capsnet import layer_routers
 from poecaps.models.saving import save_component
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.schedule import ScaledSchedule
@@ -27,8 +34,8 @@ from poecaps.trainers.shards import default_shards
 from poecaps.trainers.supervised import SupervisedTrainer
 
 # Settings that fix the data or the model's shape: a resumed run must keep them.
-ARCHITECTURE = ("model", "dataset", "limit", "seed", "batch_size", "routing_iterations", "reconstruction",
-                "em_size", "em_cost_normalization", "em_final_lambda")
+ARCHITECTURE = ("model", "routing", "loss", "dataset", "limit", "seed", "batch_size", "routing_iterations",
+                "reconstruction", "em_size", "em_cost_normalization", "em_final_lambda")
 
 
 def train_shards(config):
@@ -39,7 +46,14 @@ def train_shards(config):
 
 
 def build_network(config, image_shape, num_classes, steps_per_epoch):
-    """The baseline's network for `config`: `CapsNet` or `MatrixCapsNet`."""
+    """The baseline's network for `config`: `CapsNet`, `MatrixCapsNet` or `RoutingCapsNet`."""
+    if config.model == "routingnet":
+        options = ({"final_lambda": config.em_final_lambda, "cost_normalization": config.em_cost_normalization}
+                   if config.router == "em" else {})
+        routers = layer_routers(config.router, config.routing_iterations, config.seed, **options)
+        return RoutingCapsNet(image_shape, num_classes, routing=routers,
+                              routing_iterations=config.routing_iterations, loss=config.loss,
+                              margin_steps=max(1, config.epochs * steps_per_epoch), seed=config.seed)
     if config.model == "capsnet":
         return CapsNet(image_shape, num_classes, routing_iterations=config.routing_iterations,
                        reconstruction=config.reconstruction, seed=config.seed)
@@ -61,6 +75,13 @@ def _resume_state(run, config, record):
                          "restore it or start a new --run-dir.")
     check_same_model(run, state.get("settings") or {}, config, ARCHITECTURE)
     return state
+
+
+def _routing_now(network, test, config, count=1000):
+    """The class layer's routing statistics on the first `count` test images (before training: at init)."""
+
+    _, coefficients = predict_in_batches(compiled_predictor(network, config.xla), test[:count], 256)
+    return routing_statistics(network, coefficients)
 
 
 class _MetricsLog(keras.callbacks.Callback):
@@ -108,7 +129,10 @@ def train_baseline(config, run_dir, record=None, resume=False):
             config.learning_rate, decay_steps=steps, decay_rate=config.decay_rate)
         # Scaled so that the NaN guard can halve it (poecaps.trainers.guard).
         trainer.compile(optimizer=keras.optimizers.Adam(ScaledSchedule(schedule)), jit_compile=config.xla)
-        callbacks = [keras.callbacks.TensorBoard(run.logs, write_graph=False), _MetricsLog(run)]
+        previous = run.read_json("state.json", {}) if resume else {}
+        initial = previous.get("initial_routing") or _routing_now(network, test, config)
+        timer = StepTimer()
+        callbacks = [keras.callbacks.TensorBoard(run.logs, write_graph=False), _MetricsLog(run), timer]
         start = time.perf_counter()
         history = fit_resumable(
             trainer, train, train_labels, epochs=config.epochs, batch_size=config.batch_size,
@@ -119,9 +143,12 @@ def train_baseline(config, run_dir, record=None, resume=False):
             validation_data=(test, test_labels))
         seconds = time.perf_counter() - start
         save_component(network, os.path.join(run.models, "model.keras"))
+        # Two more steps on the model in memory (the saved one is final): the peak memory of one.
+        peak = peak_step_bytes(trainer, train[:config.batch_size], train_labels[:config.batch_size])
     epochs_run = len(history.get("loss", []))
     state = {"kind": "baseline", "settings": settings, "seconds": seconds,
-             "seconds_per_epoch": seconds / max(epochs_run, 1), "epochs_this_call": epochs_run}
+             "seconds_per_epoch": seconds / max(epochs_run, 1), "epochs_this_call": epochs_run,
+             "seconds_per_step": timer.median_seconds, "step_peak_bytes": peak, "initial_routing": initial}
     run.write_json("state.json", state)
     print(json.dumps({"train_seconds": round(seconds, 1),
                       "seconds_per_epoch": round(state["seconds_per_epoch"], 1)}))

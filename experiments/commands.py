@@ -7,7 +7,7 @@ checkout, `python scripts/<name>.py` runs the same function.
 import json
 import os
 
-from poecaps.experiments import cli
+from poecaps.experiments import cli, presets
 from poecaps.experiments.configs import STAGES, EvaluationConfig, SampleConfig
 
 
@@ -49,11 +49,12 @@ def _evaluate(argv=None):
 
 
 def _baseline(argv=None):
-    p = cli.parser("Train and evaluate a supervised capsule baseline: CapsNet (dynamic routing) or "
-                   "matrix capsules (EM routing).", "baseline", "sabour2017",
+    p = cli.parser("Train and evaluate a supervised capsule network: CapsNet (dynamic routing), matrix "
+                   "capsules (EM routing) or Faria's routing network with any router (--preset faria2019-...).",
+                   "baseline", "sabour2017",
                    run_dir_default=os.path.join("runs", "baseline"))
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    shortcuts = ("seed", "dataset", "data_dir", "limit", "epochs")
+    shortcuts = ("model", "routing", "seed", "dataset", "data_dir", "limit", "epochs")
     cli.add_shortcuts(p, "baseline", shortcuts)
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
     p.add_argument("--test-limit", default=None, metavar="N", help="evaluate on only this many test images")
@@ -68,9 +69,8 @@ def _baseline(argv=None):
     evaluation = with_values(BaselineEvaluationConfig(), {
         name: value for name, value in (("test_limit", args.test_limit), ("seed", args.seed)) if value is not None})
     if args.evaluate_only:
-        given = [flag for flag, value in (("--set", args.set), ("--resume", args.resume), ("--dataset", args.dataset),
-                                          ("--data-dir", args.data_dir), ("--limit", args.limit),
-                                          ("--epochs", args.epochs)) if value]
+        given = ["--set"] * bool(args.set) + ["--resume"] * args.resume + [
+            "--" + name.replace("_", "-") for name in shortcuts if name != "seed" and getattr(args, name)]
         if given:
             raise SettingError(f"--evaluate-only evaluates the run as it was trained; it takes no "
                                f"{', '.join(given)}.")
@@ -79,6 +79,30 @@ def _baseline(argv=None):
         train_baseline(config, args.run_dir, record, resume=args.resume)
     result = evaluate_baseline(args.run_dir, evaluation)
     print(json.dumps(result, indent=2))
+
+
+def _compare_routing(argv=None):
+    p = cli.parser("Train and evaluate the routing network once per router (the presets below), alike, and "
+                   "print one table: ROOT/routing_table.md, ROOT/routing_table.json, one run per row.",
+                   run_dir_default=os.path.join("runs", "routing"))
+    p.add_argument("--row", action="append", choices=presets.routing_table(),
+                   help="only this row's preset (repeatable); default: every preset of the routing network")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change one setting of every row's preset (repeatable; scripts/baseline.py --help lists them)")
+    shortcuts = ("seed", "dataset", "data_dir", "limit", "epochs")
+    cli.add_shortcuts(p, "baseline", shortcuts)
+    p.add_argument("--test-limit", default=None, metavar="N", help="evaluate on only this many test images")
+    args = p.parse_args(argv)
+    from poecaps.experiments.configs import BaselineEvaluationConfig
+    from poecaps.experiments.routing_comparison import compare_routing  # TensorFlow: after --help
+    from poecaps.experiments.settings import parse_assignment, with_values
+
+    settings = {name: getattr(args, name) for name in shortcuts if getattr(args, name) is not None}
+    settings.update(parse_assignment(text) for text in args.set)
+    evaluation = with_values(BaselineEvaluationConfig(), {} if args.test_limit is None else
+                             {"test_limit": args.test_limit})
+    _, table = compare_routing(args.run_dir, settings, args.row, evaluation)
+    print(table)
 
 
 def train_layerwise(argv=None):
@@ -95,3 +119,7 @@ def evaluate(argv=None):
 
 def baseline(argv=None):
     return cli.run_main(_baseline, argv)
+
+
+def compare_routing(argv=None):
+    return cli.run_main(_compare_routing, argv)

@@ -18,8 +18,12 @@ STAGES = ("autoencoder", "encoder", "decoder", "rbm")
 DECODER_RULES = ("section41", "delta")
 # The half of capsule space the result grid draws from (`poecaps.samplers.CapsuleSampler`).
 DOMAINS = ("full", "restricted", "winning")
-# Supervised baselines (`scripts/baseline.py`).
-MODELS = ("capsnet", "em")
+# Supervised baselines (`scripts/baseline.py`): CapsNet, matrix capsules, Faria's Table 1 network.
+MODELS = ("capsnet", "em", "routingnet")
+# Routers a baseline can use (`poecaps.routing.get`); CapsNet routes dynamically, matrix capsules by EM,
+# the routing network (`poecaps.models.RoutingCapsNet`) by any of them.
+ROUTINGS = ("dynamic", "uniform", "em", "similarity", "connectionist")
+MODEL_ROUTINGS = {"capsnet": ("dynamic",), "em": ("em",), "routingnet": ROUTINGS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +125,12 @@ class LayerwiseConfig(DataOptions):
 class BaselineConfig(DataOptions):
     """Every setting of a supervised baseline run; the defaults are the `sabour2017` preset."""
 
-    model: str = setting("capsnet", "capsnet (dynamic routing) or em (matrix capsules)", choices=MODELS)
+    model: str = setting("capsnet", "capsnet (dynamic routing), em (matrix capsules) or routingnet (Faria's "
+                         "Table 1 network, any --routing)", choices=MODELS)
+    routing: str | None = setting(None, "the router (default: the model's own, dynamic for capsnet and em for "
+                                  "em; routingnet takes any and needs one)", kind=str, choices=ROUTINGS)
+    loss: str = setting("cross_entropy", "routingnet's loss: cross_entropy (activations as logits), spread or "
+                        "margin (capsnet and em keep their papers' losses)", choices=("cross_entropy", "spread", "margin"))
     epochs: int = setting(1, "training epochs", minimum=1)
     batch_size: int = setting(128, "images per step", minimum=1)
     routing_iterations: int = setting(3, "routing rounds (Sabour's r; EM's rounds, >= 1)", minimum=0)
@@ -134,13 +143,19 @@ class BaselineConfig(DataOptions):
     em_cost_normalization: str = setting("standardize", "EM costs: standardize or none (the paper's eq. 27)",
                                          choices=("standardize", "none"))
     em_final_lambda: float = setting(1.0, "EM inverse-temperature scale (EMRouting.final_lambda)", above=0.0)
-    jit_compile: str = setting("auto", "XLA: auto (for EM, not CapsNet), true or false",
+    jit_compile: str = setting("auto", "XLA: auto (for em and routingnet, not capsnet), true or false",
                                choices=("auto", "true", "false"))
     shards: int | None = setting(None, "each train step in this many concurrent XLA parts "
                                  "(default: 2 on a CPU under XLA)", kind=int, minimum=1)
 
     def check(self):
-        if self.model == "em" and self.routing_iterations < 1:
+        if self.router is None:
+            raise SettingError(f"model {self.model} needs a routing, one of {', '.join(ROUTINGS)}. "
+                               f"Received: routing=None")
+        if self.router not in MODEL_ROUTINGS[self.model]:
+            raise SettingError(f"model {self.model} routes with {' or '.join(MODEL_ROUTINGS[self.model])}. "
+                               f"Received: routing={self.routing!r}")
+        if self.router == "em" and self.routing_iterations < 1:
             raise SettingError(f"EM routing needs routing_iterations >= 1. "
                                f"Received: routing_iterations={self.routing_iterations}")
         if self.shards is not None and self.shards > 1 and not self.xla:
@@ -148,8 +163,13 @@ class BaselineConfig(DataOptions):
                                f"Received: shards={self.shards}, jit_compile={self.jit_compile!r}")
 
     @property
+    def router(self):
+        """The routing name in effect: `routing`, or the model's own (None for routingnet, which needs one)."""
+        return self.routing or {"capsnet": "dynamic", "em": "em"}.get(self.model)
+
+    @property
     def xla(self):
-        return self.model == "em" if self.jit_compile == "auto" else self.jit_compile == "true"
+        return self.model != "capsnet" if self.jit_compile == "auto" else self.jit_compile == "true"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,10 +121,60 @@ def hinton2018():
     return _hinton2018("paper")
 
 
+def _faria2019(routing):
+    return dataclasses.replace(BaselineConfig(), model="routingnet", routing=routing, loss="cross_entropy",
+                               routing_iterations=3, epochs=5, batch_size=32, learning_rate=3e-3, decay_rate=0.96,
+                               max_shift=2)
+
+
+@_preset("baseline", "faria2019-similarity")
+def faria2019_similarity():
+    """Faria (2019), "Learning to compute inner consensus": the Table 1 network with similarity routing.
+
+    From the paper: the Table 1 network (`poecaps.models.RoutingCapsNet`),
+    similarity routing (section 4.1) with Q = 4, 4, 10 Gaussians, 3
+    iterations, Adam 3e-3 with exponential decay, MNIST shifted by up to 2
+    pixels; from the author's code: softmax cross-entropy on the class
+    activations. The paper trains 100 epochs on a GPU; here 5 epochs of
+    batch 32 (the routing comparison's budget), decay 0.96 per epoch
+    (the paper gives no rate).
+    """
+    return _faria2019("similarity")
+
+
+@_preset("baseline", "faria2019-connectionist")
+def faria2019_connectionist():
+    """The Table 1 network with connectionist (LSTM) routing, Table 2's sizes; otherwise `faria2019-similarity`."""
+    return _faria2019("connectionist")
+
+
+@_preset("baseline", "faria2019-em")
+def faria2019_em():
+    """The Table 1 network with EM routing (3 rounds, costs as `hinton2018-small`); otherwise `faria2019-similarity`."""
+    return dataclasses.replace(_faria2019("em"), em_cost_normalization="standardize", em_final_lambda=1.0)
+
+
+@_preset("baseline", "faria2019-dynamic")
+def faria2019_dynamic():
+    """The Table 1 network with dynamic routing (3 rounds, over the children); otherwise `faria2019-similarity`."""
+    return _faria2019("dynamic")
+
+
+@_preset("baseline", "faria2019-uniform")
+def faria2019_uniform():
+    """The Table 1 network with uniform coefficients (no routing); otherwise `faria2019-similarity`."""
+    return _faria2019("uniform")
+
+
 def names(kind):
     """`{preset name: first line of its docstring}` for `kind` ("layerwise" or "baseline")."""
     return {name: (function.__doc__ or "").strip().splitlines()[0]
             for name, function in _PRESETS[kind].items()}
+
+
+def routing_table():
+    """The presets of the routing network (model `routingnet`), in registration order: the routing table's rows."""
+    return [name for name in _PRESETS["baseline"] if get("baseline", name).model == "routingnet"]
 
 
 def get(kind, name):

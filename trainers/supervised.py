@@ -71,7 +71,7 @@ class SupervisedTrainer(keras.Model):
         return None if self.optimizer is None else self.optimizer.iterations
 
     def train_step(self, data):
-        images, labels = data
+        images, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
         # Shifted here, outside the shards, which would otherwise share the seed generator.
         if self.max_shift:
             images = transforms.random_shift(images, self.max_shift, seed=self.seed_generator)
@@ -109,7 +109,7 @@ class SupervisedTrainer(keras.Model):
         return grads, loss, scores, terms
 
     def test_step(self, data):
-        images, labels = data
+        images, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
         loss, scores, terms = self.network.loss_terms(images, labels, training=False)
         return self._update_metrics(loss, labels, scores, terms)
 

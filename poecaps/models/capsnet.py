@@ -89,6 +89,11 @@ class CapsNet(keras.Model):
         self.call(ops.zeros((1, *self.image_shape)))
 
     @property
+    def routers(self):
+        """The routing layers, bottom up (here the class capsules' one)."""
+        return [self.class_capsules.routing]
+
+    @property
     def loss_term_names(self):
         return ("margin_loss", "reconstruction_loss") if self.reconstruction else ("margin_loss",)
 

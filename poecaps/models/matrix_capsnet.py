@@ -75,6 +75,11 @@ class MatrixCapsNet(keras.Model):
 
     loss_term_names = ("spread_loss", "margin")
 
+    @property
+    def routers(self):
+        """The routing layers, bottom up: ConvCaps1, ConvCaps2, class capsules."""
+        return [self.conv_caps1.routing, self.conv_caps2.routing, self.class_capsules.routing]
+
     def encode(self, images, training=None):
         poses, act = self.primary(self.conv1(images))
         r1 = self.conv_caps1.route(poses, act, training=training)

@@ -1,0 +1,163 @@
+"""The network of Faria's Table 1, which takes any router: the architecture of the routing comparison."""
+
+import keras
+from keras import ops
+
+from poecaps import losses
+from poecaps import routing as routing_lib
+from poecaps.initializers import NearIdentity
+from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
+from poecaps.models.capsnet import check_classifier_arguments
+
+LOSSES = ("cross_entropy", "spread", "margin")
+# Per capsule layer (ConvCaps1, ConvCaps2, class layer): the paper's settings of each learned router
+# (section 5: Q = 4, 4, 10 Gaussians; Table 2: the hidden sizes of f_c and f_a).
+LAYER_SETTINGS = {
+    "similarity": [{"num_kernels": 4}, {"num_kernels": 4}, {"num_kernels": 10}],
+    "connectionist": [{"units": 16, "compatibility_hidden": (), "activation_hidden": ()},
+                      {"units": 16, "compatibility_hidden": (32, 32), "activation_hidden": (64, 64)},
+                      {"units": 16, "compatibility_hidden": (64, 64), "activation_hidden": (124, 124)}],
+}
+
+
+def layer_routers(routing, iterations=3, seed=0, **options):
+    """The three routers of the network (ConvCaps1, ConvCaps2, class layer) for a routing name.
+
+    Learned routers get the paper's per-layer sizes (`LAYER_SETTINGS`);
+    `options` go to every router (for EM, `final_lambda`, ...). `"uniform"`
+    is one round of dynamic routing whatever `iterations` says.
+    """
+    if routing in ("uniform", "dynamic"):
+        # Over the children, as every other router here but EM: with Frobenius-normalised votes, a
+        # sum over ~100 children at 1/J each saturates the squash (every class length near 1).
+        options = {"agreement": "dot", "normalize": "children", **options}
+    if routing == "uniform":
+        return [routing_lib.get("uniform", **options) for _ in range(3)]
+    seeded = routing in LAYER_SETTINGS
+    return [routing_lib.get(routing, iterations=iterations, **layer, **options,
+                            **({"seed": seed + 100 * k} if seeded else {}))
+            for k, layer in enumerate(LAYER_SETTINGS.get(routing, [{}] * 3))]
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class RoutingCapsNet(keras.Model):
+    """Faria's Table 1 network: matrix capsules with Frobenius-normalised votes, any router in each layer.
+
+    conv 5x5 stride 2 (64 channels), ReLU, batch norm -> primary matrix
+    capsules (1x1, 8 types, 4x4 pose divided by its Frobenius norm, logistic
+    activation) -> ConvCaps1 (K=3, stride 2, 16 types) -> ConvCaps2 (K=3,
+    stride 1, 16 types) -> class capsules over every position, with one
+    transformation per (position, type, class) (unshared: the paper's 86K
+    parameters without routing on smallNORB need it). Every capsule layer
+    votes with `V_ij = P_i W_ij / |W_ij|_F` (Faria eq. 1; Hinton's order of
+    the product), W starting at I + U(-0.1, 0.1), and hands the votes and
+    child activations to its router. On 28x28 input the capsule maps are
+    12x12, 5x5 and 3x3. The class scores are the class capsules'
+    activations.
+
+    Losses (`loss_terms`): "cross_entropy" (the author's code: softmax
+    cross-entropy with the class activations as logits), "spread" (Hinton
+    et al., margin 0.2 -> 0.9 over `margin_steps`) or "margin" (Sabour's).
+
+    Args:
+        image_shape: (H, W, C) of the input.
+        num_classes: K.
+        routing: a routing name (`poecaps.routing.get`: each layer gets its
+            own router, learned ones with the paper's per-layer sizes, see
+            `layer_routers`) or a sequence of three routers (names, configs
+            or instances) for ConvCaps1, ConvCaps2 and the class layer.
+        routing_iterations: rounds of each named router (3 in the paper).
+        loss: "cross_entropy", "spread" or "margin".
+        margin_steps: steps over which the spread loss's margin rises.
+        filters, primary_types, conv_types: sizes (64, 8, 16).
+        seed: seed of every initial weight.
+
+    Call arguments:
+        images: `[B, H, W, C]` in [0, 1].
+
+    Returns:
+        dict with `scores` (class activations `[B, K]`), `poses` `[B, K, 16]`
+        and the class layer's routing `coefficients` `[B, I, K]`.
+    """
+
+    def __init__(self, image_shape, num_classes, routing="similarity", routing_iterations=3,
+                 loss="cross_entropy", margin_steps=10000, filters=64, primary_types=8, conv_types=16, seed=0,
+                 **kwargs):
+        super().__init__(**kwargs)
+        check_classifier_arguments(image_shape, num_classes)
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}. Received: loss={loss!r}")
+        self.image_shape = tuple(image_shape)
+        self.num_classes = num_classes
+        self.routing_iterations = routing_iterations
+        self.loss = loss
+        self.margin_steps = margin_steps
+        self.filters, self.primary_types, self.conv_types = filters, primary_types, conv_types
+        self.seed = seed
+        if isinstance(routing, str):
+            routers = layer_routers(routing, routing_iterations, seed)
+        else:
+            routers = [routing_lib.get(r) for r in routing]
+            if len(routers) != 3:
+                raise ValueError(f"routing needs one router per capsule layer (3). Received: {len(routers)}")
+        init = lambda k: NearIdentity(0.1, seed=seed + k)
+        conv_init = lambda k: keras.initializers.GlorotUniform(seed=seed + k)
+        self.conv1 = keras.layers.Conv2D(filters, 5, strides=2, activation="relu", kernel_initializer=conv_init(0),
+                                         name="conv1")
+        self.batch_norm = keras.layers.BatchNormalization(name="batch_norm")
+        self.primary = PrimaryMatrixCapsules(primary_types, name="primary_capsules")
+        self.conv_caps1 = ConvCapsules(conv_types, 16, 3, 2, routing=routers[0], kernel_initializer=init(1),
+                                       frobenius_votes=True, name="conv_caps1")
+        self.conv_caps2 = ConvCapsules(conv_types, 16, 3, 1, routing=routers[1], kernel_initializer=init(2),
+                                       frobenius_votes=True, name="conv_caps2")
+        self.class_capsules = CapsuleDense(num_classes, 16, routing=routers[2], pose="matrix",
+                                           kernel_initializer=init(3), frobenius_votes=True, name="class_capsules")
+        self.build()
+
+    def build(self, input_shape=None):
+        self.call(ops.zeros((1, *self.image_shape)))
+
+    @property
+    def routers(self):
+        """The routing layers, bottom up: ConvCaps1, ConvCaps2, class capsules."""
+        return [self.conv_caps1.routing, self.conv_caps2.routing, self.class_capsules.routing]
+
+    @property
+    def loss_term_names(self):
+        return ("spread_loss", "margin") if self.loss == "spread" else (f"{self.loss}_loss",)
+
+    def encode(self, images, training=None):
+        """The class layer's `RoutingResult` (poses `[B, K, 16]`, activations `[B, K]`)."""
+        poses, act = self.primary(self.batch_norm(self.conv1(images), training=training))
+        poses = poses / ops.sqrt(ops.sum(ops.square(poses), axis=-1, keepdims=True) + 1e-7)
+        r1 = self.conv_caps1.route(poses, act, training=training)
+        r2 = self.conv_caps2.route(r1.poses, r1.activations, training=training)
+        _, h, w, types, dim = r2.poses.shape
+        flat_poses = ops.reshape(r2.poses, (-1, h * w * types, dim))
+        flat_act = ops.reshape(r2.activations, (-1, h * w * types))
+        return self.class_capsules.route(flat_poses, flat_act, training=training)
+
+    def call(self, images, training=None):
+        result = self.encode(images, training)
+        return {"scores": result.activations, "poses": result.poses, "coefficients": result.coefficients}
+
+    def loss_terms(self, images, labels, training=False, step=None):
+        """`(loss, scores [B, K], {term: value})` of the chosen loss on a batch."""
+        result = self.encode(images, training)
+        scores = ops.cast(result.activations, "float32")
+        if self.loss == "spread":
+            margin = losses.spread_margin(self.margin_steps if step is None else step, self.margin_steps)
+            loss = ops.mean(losses.spread_loss(labels, scores, margin))
+            return loss, scores, {"spread_loss": loss, "margin": margin}
+        if self.loss == "margin":
+            loss = ops.mean(losses.margin_loss(labels, scores))
+        else:
+            loss = ops.mean(losses.softmax_cross_entropy(labels, scores))
+        return loss, scores, {f"{self.loss}_loss": loss}
+
+    def get_config(self):
+        return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
+                "routing": [keras.saving.serialize_keras_object(r) for r in self.routers],
+                "routing_iterations": self.routing_iterations, "loss": self.loss,
+                "margin_steps": self.margin_steps, "filters": self.filters, "primary_types": self.primary_types,
+                "conv_types": self.conv_types, "seed": self.seed, "name": self.name}
