@@ -37,6 +37,10 @@ def routing_net(**em):
 VARIANTS = {
     "matrix": (matrix(), 0, "hinton2018-small as it is (no BN, W ~ N(0, 0.5), standardised costs, lambda 1)"),
     "routingnet": (routing_net(), 2, "faria2019-em as it is (the Table 1 network)"),
+    "matrix_bn": (matrix(batch_norm=True), 0, "matrix with batch norm after the ReLU convolution"),
+    "matrix_w1": (matrix(kernel_stddev=1.0), 0, "matrix with W ~ N(0, 1) (the public code's randn)"),
+    "matrix_raw_costs": (matrix(cost_normalization="none", final_lambda=0.01), 0,
+                         "matrix with the paper's raw costs (eq. 27) and inverse-temperature scale 0.01"),
 }
 
 

@@ -31,6 +31,10 @@ class MatrixCapsNet(keras.Model):
         a, b, c, d: the sizes A, B, C, D.
         final_lambda, cost_normalization: of every `EMRouting` (see there).
         margin_steps: steps over which the spread-loss margin rises.
+        batch_norm: batch normalisation after the ReLU convolution (as the
+            learned-routing network and public reimplementations have it).
+        kernel_stddev: standard deviation of the capsule layers' initial
+            transformation matrices, N(0, kernel_stddev).
         chunk_capsules: lower capsules whose votes and routing are computed
             together in ConvCaps1 and ConvCaps2: each layer routes
             `max(1, chunk_capsules // (9 * types in))` receptive fields at a
@@ -46,8 +50,8 @@ class MatrixCapsNet(keras.Model):
     """
 
     def __init__(self, image_shape, num_classes, routing_iterations=3, a=64, b=8, c=16, d=16,
-                 final_lambda=1.0, cost_normalization="standardize", margin_steps=10000,
-                 chunk_capsules=CHUNK_CAPSULES, **kwargs):
+                 final_lambda=1.0, cost_normalization="standardize", margin_steps=10000, batch_norm=False,
+                 kernel_stddev=0.5, chunk_capsules=CHUNK_CAPSULES, **kwargs):
         super().__init__(**kwargs)
         check_classifier_arguments(image_shape, num_classes)
         self.image_shape = tuple(image_shape)
@@ -57,17 +61,22 @@ class MatrixCapsNet(keras.Model):
         self.final_lambda = final_lambda
         self.cost_normalization = cost_normalization
         self.margin_steps = margin_steps
+        self.batch_norm = batch_norm
+        self.kernel_stddev = kernel_stddev
         self.chunk_capsules = chunk_capsules
         chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
         em = lambda name: EMRouting(routing_iterations, final_lambda,
                                     cost_normalization=cost_normalization, name=name)
+        init = lambda: keras.initializers.RandomNormal(stddev=kernel_stddev)
         self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1")
+        self.norm = keras.layers.BatchNormalization(name="batch_norm") if batch_norm else None
         self.primary = PrimaryMatrixCapsules(b, name="primary_capsules")
         self.conv_caps1 = ConvCapsules(c, 16, 3, 2, routing=em("em1"), chunk_size=chunk(b),
-                                       name="conv_caps1")
+                                       kernel_initializer=init(), name="conv_caps1")
         self.conv_caps2 = ConvCapsules(d, 16, 3, 1, routing=em("em2"), chunk_size=chunk(c),
-                                       name="conv_caps2")
-        self.class_capsules = ClassCapsules(num_classes, 16, routing=em("em3"), name="class_capsules")
+                                       kernel_initializer=init(), name="conv_caps2")
+        self.class_capsules = ClassCapsules(num_classes, 16, routing=em("em3"), kernel_initializer=init(),
+                                            name="class_capsules")
         self.build()
 
     def build(self, input_shape=None):
@@ -81,7 +90,10 @@ class MatrixCapsNet(keras.Model):
         return [self.conv_caps1.routing, self.conv_caps2.routing, self.class_capsules.routing]
 
     def encode(self, images, training=None):
-        poses, act = self.primary(self.conv1(images))
+        features = self.conv1(images)
+        if self.norm is not None:
+            features = self.norm(features, training=training)
+        poses, act = self.primary(features)
         r1 = self.conv_caps1.route(poses, act, training=training)
         r2 = self.conv_caps2.route(r1.poses, r1.activations, training=training)
         return self.class_capsules.route(r2.poses, r2.activations, training=training)
@@ -103,4 +115,5 @@ class MatrixCapsNet(keras.Model):
                 "routing_iterations": self.routing_iterations, "a": self.a, "b": self.b, "c": self.c,
                 "d": self.d, "final_lambda": self.final_lambda,
                 "cost_normalization": self.cost_normalization, "margin_steps": self.margin_steps,
+                "batch_norm": self.batch_norm, "kernel_stddev": self.kernel_stddev,
                 "chunk_capsules": self.chunk_capsules, "name": self.name}

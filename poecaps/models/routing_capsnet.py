@@ -70,6 +70,11 @@ class RoutingCapsNet(keras.Model):
         loss: "cross_entropy", "spread" or "margin".
         margin_steps: steps over which the spread loss's margin rises.
         filters, primary_types, conv_types: sizes (64, 8, 16).
+        chunk_capsules: lower capsules whose votes and routing are computed
+            together in ConvCaps1 and ConvCaps2 (`ConvCapsules(chunk_size=
+            max(1, chunk_capsules // (9 * types in)))`, receptive fields at a
+            time), or None for all at once. Same result to rounding; chunks
+            pay inside an XLA computation (bench/learned_step.py).
         seed: seed of every initial weight.
 
     Call arguments:
@@ -81,8 +86,8 @@ class RoutingCapsNet(keras.Model):
     """
 
     def __init__(self, image_shape, num_classes, routing="similarity", routing_iterations=3,
-                 loss="cross_entropy", margin_steps=10000, filters=64, primary_types=8, conv_types=16, seed=0,
-                 **kwargs):
+                 loss="cross_entropy", margin_steps=10000, filters=64, primary_types=8, conv_types=16,
+                 chunk_capsules=None, seed=0, **kwargs):
         super().__init__(**kwargs)
         check_classifier_arguments(image_shape, num_classes)
         if loss not in LOSSES:
@@ -93,7 +98,9 @@ class RoutingCapsNet(keras.Model):
         self.loss = loss
         self.margin_steps = margin_steps
         self.filters, self.primary_types, self.conv_types = filters, primary_types, conv_types
+        self.chunk_capsules = chunk_capsules
         self.seed = seed
+        chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
         if isinstance(routing, str):
             routers = layer_routers(routing, routing_iterations, seed)
         else:
@@ -107,9 +114,9 @@ class RoutingCapsNet(keras.Model):
         self.batch_norm = keras.layers.BatchNormalization(name="batch_norm")
         self.primary = PrimaryMatrixCapsules(primary_types, name="primary_capsules")
         self.conv_caps1 = ConvCapsules(conv_types, 16, 3, 2, routing=routers[0], kernel_initializer=init(1),
-                                       frobenius_votes=True, name="conv_caps1")
+                                       frobenius_votes=True, chunk_size=chunk(primary_types), name="conv_caps1")
         self.conv_caps2 = ConvCapsules(conv_types, 16, 3, 1, routing=routers[1], kernel_initializer=init(2),
-                                       frobenius_votes=True, name="conv_caps2")
+                                       frobenius_votes=True, chunk_size=chunk(conv_types), name="conv_caps2")
         self.class_capsules = CapsuleDense(num_classes, 16, routing=routers[2], pose="matrix",
                                            kernel_initializer=init(3), frobenius_votes=True, name="class_capsules")
         self.build()
@@ -160,4 +167,5 @@ class RoutingCapsNet(keras.Model):
                 "routing": [keras.saving.serialize_keras_object(r) for r in self.routers],
                 "routing_iterations": self.routing_iterations, "loss": self.loss,
                 "margin_steps": self.margin_steps, "filters": self.filters, "primary_types": self.primary_types,
-                "conv_types": self.conv_types, "seed": self.seed, "name": self.name}
+                "conv_types": self.conv_types, "chunk_capsules": self.chunk_capsules, "seed": self.seed,
+                "name": self.name}

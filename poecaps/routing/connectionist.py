@@ -15,6 +15,12 @@ def _mlp(hidden, name, seed):
     return layers
 
 
+def _rows_times(x, w):
+    """`x [..., K] @ w [K, N]` as one 2-D matmul (a broadcast batch matmul is far slower under XLA)."""
+    out = ops.matmul(ops.reshape(x, (-1, x.shape[-1])), w)
+    return ops.reshape(out, (*ops.shape(x)[:-1], w.shape[-1]))
+
+
 def _check_hidden(name, hidden):
     hidden = tuple(hidden)
     if any(not isinstance(units, int) or units < 1 for units in hidden):
@@ -108,9 +114,12 @@ class ConnectionistRouting(Routing):
 
     @staticmethod
     def _apply(layers, x):
+        """The network `layers` on the last axis of `x`, as one 2-D matmul per layer; drops the unit axis."""
+        lead = ops.shape(x)[:-1]
+        x = ops.reshape(x, (-1, x.shape[-1]))
         for layer in layers:
             x = layer(x)
-        return x[..., 0]
+        return ops.reshape(x, lead)
 
     def call(self, votes, activations=None, training=None):
         votes = ops.cast(votes, "float32")
@@ -121,22 +130,25 @@ class ConnectionistRouting(Routing):
         recurrent = ops.cast(self.recurrent_kernel, "float32")
         # The parts of x W that do not change over the rounds: the vote's and the child activation's.
         # [B, I, J, D] x [D, 4U] -> [B, I, J, 4U]
-        fixed = (ops.einsum("bijd,dg->bijg", votes, k_vote) + a[:, :, None, None] * k_a
+        fixed = (_rows_times(votes, k_vote) + a[:, :, None, None] * k_a
                  + ops.cast(self.bias, "float32"))
         # [B, I, J] x [B, I, J, D] -> [B, J, D]
         weighted_mean = lambda c: ops.einsum("bij,bijd->bjd", c, votes)
         c = ops.ones(ops.shape(votes)[:3]) / num_in
         mu = weighted_mean(c)
-        h = m = ops.zeros((*ops.shape(votes)[:3], self.units))
+        h = m = None                    # zero states: the first round skips their terms
         for _ in range(self.iterations):
             # [B, J, D] x [D, 4U] -> [B, 1, J, 4U];  [B, I, J, U] x [U, 4U] -> [B, I, J, 4U]
-            gates = (fixed + ops.matmul(mu, k_mu)[:, None] + c[..., None] * k_c
-                     + ops.matmul(h, recurrent))
+            gates = fixed + ops.matmul(mu, k_mu)[:, None] + c[..., None] * k_c
+            if h is not None:
+                gates = gates + _rows_times(h, recurrent)
             i, f, g, o = ops.split(gates, 4, axis=-1)
-            m = ops.sigmoid(f) * m + ops.sigmoid(i) * ops.tanh(g)
+            m = ops.sigmoid(i) * ops.tanh(g) + (0.0 if m is None else ops.sigmoid(f) * m)
             h = ops.sigmoid(o) * ops.tanh(m)
             c = ops.softmax(self._apply(self.compatibility_layers, h), axis=1)
             mu = weighted_mean(c)
+        if m is None:
+            m = ops.zeros((*ops.shape(votes)[:3], self.units))
         # [B, I, J] x [B, I, J, U] -> [B, J, U]
         pooled = ops.einsum("bij,biju->bju", c, m)
         return RoutingResult(mu, ops.sigmoid(self._apply(self.activation_layers, pooled)), c)
