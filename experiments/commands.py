@@ -105,6 +105,25 @@ def _compare_routing(argv=None):
     print(table)
 
 
+def _toy_routing(argv=None):
+    p = cli.parser("Kiefer et al.'s toy (appendix B, Figure 3): the hidden states of a 3-3-1 predictive-coding "
+                   "network over 500 steps, with no penalty, L1 and L2, under both readings of the energy; "
+                   "writes RUN/toy_routing.png.", run_dir_default=os.path.join("runs", "toy_routing"))
+    p.add_argument("--json", action="store_true", help="print the six final states as one JSON line, last")
+    p.add_argument("--seed", default=None, metavar="VALUE",
+                   help="accepted for uniformity; the toy is deterministic (it starts at x = u)")
+    args = p.parse_args(argv)
+    from poecaps.experiments.toy_routing import toy_routing  # TensorFlow: after --help
+
+    finals = toy_routing(args.run_dir)
+    print(f"wrote {os.path.join(args.run_dir, 'toy_routing.png')}")
+    for reading, states in finals.items():
+        for penalty, x in states.items():
+            print(f"{reading:12s} {penalty:5s} x = ({', '.join(f'{v:+.4f}' for v in x)})")
+    if args.json:
+        print(json.dumps(finals))
+
+
 def train_layerwise(argv=None):
     return cli.run_main(_train_layerwise, argv)
 
@@ -123,3 +142,7 @@ def baseline(argv=None):
 
 def compare_routing(argv=None):
     return cli.run_main(_compare_routing, argv)
+
+
+def toy_routing(argv=None):
+    return cli.run_main(_toy_routing, argv)

@@ -67,3 +67,27 @@ def training_curves(metrics_path, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def line_panels(panels, path, title=None, xlabel="step", ylabel=None):
+    """Save small line plots: `panels` is `[[(panel title, {label: values}), ...], ...]` (rows of panels)."""
+    rows, cols = len(panels), max(len(row) for row in panels)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
+    for r, row in enumerate(panels):
+        for c, (name, series) in enumerate(row):
+            ax = axes[r, c]
+            for label, values in series.items():
+                ax.plot(np.asarray(values), label=str(label), linewidth=1)
+            ax.set_title(name, fontsize=8)
+            ax.set_xlabel(xlabel, fontsize=7)
+            if ylabel:
+                ax.set_ylabel(ylabel, fontsize=7)
+            ax.tick_params(labelsize=6)
+            ax.legend(fontsize=6)
+        for c in range(len(row), cols):
+            axes[r, c].axis("off")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

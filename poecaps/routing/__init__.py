@@ -4,8 +4,9 @@
 `"cosine"` (dynamic routing with cosine agreement, Hauser), `"uniform"`
 (one round of dynamic routing: uniform coefficients, the no-routing
 ablation), `"em"` (EM routing of matrix capsules), `"similarity"` and
-`"connectionist"` (Faria's learned routings), a config dict, or a `Routing`
-instance.
+`"connectionist"` (Faria's learned routings), `"sparse_inference"` (parents
+inferred by descent on an energy, Kiefer et al.), a config dict, or a
+`Routing` instance.
 """
 
 import keras
@@ -15,6 +16,7 @@ from poecaps.routing.connectionist import ConnectionistRouting
 from poecaps.routing.dynamic import DynamicRouting
 from poecaps.routing.em import EMRouting
 from poecaps.routing.similarity import SimilarityRouting
+from poecaps.routing.sparse_inference import SparseInferenceRouting
 
 _REGISTRY = {
     "dynamic": lambda **kw: DynamicRouting(**kw),
@@ -24,6 +26,7 @@ _REGISTRY = {
     "em": lambda **kw: EMRouting(**kw),
     "similarity": lambda **kw: SimilarityRouting(**kw),
     "connectionist": lambda **kw: ConnectionistRouting(**kw),
+    "sparse_inference": lambda **kw: SparseInferenceRouting(**kw),
 }
 
 
@@ -42,4 +45,4 @@ def get(identifier, **kwargs):
 
 
 __all__ = ["ConnectionistRouting", "DynamicRouting", "EMRouting", "Routing", "RoutingResult",
-           "SimilarityRouting", "get"]
+           "SimilarityRouting", "SparseInferenceRouting", "get"]

@@ -1,0 +1,183 @@
+"""Routing as inference: states moved down an energy in one compiled loop (Kiefer, Millidge et al., section 3).
+
+`descend` is the loop every procedure here shares: gradient steps on the
+smooth part of an energy and, for an L1 penalty on capsule lengths, its
+proximal step (each penalised capsule's length shrunk by `lr * l1`, never
+past 0), all inside one `tf.while_loop`. `toy_states` is the 3-3-1
+predictive-coding toy of appendix B; `infer` frees the primary and class
+capsules of a CapsNet trained without routing (appendix C).
+"""
+
+import tensorflow as tf
+
+from poecaps.capsules import squash
+
+PENALTIES = ("none", "l1", "l2")
+READINGS = ("output_only", "full")
+# Floor inside the norms whose gradient the smooth energies need (|v| in the label term).
+_EPS = 1e-12
+
+
+def _norm(v):
+    return tf.sqrt(tf.reduce_sum(tf.square(v), axis=-1) + _EPS)
+
+
+def shrink(v, amount):
+    """The proximal step of `amount * |v|` on capsules `[..., D]`: each length cut by `amount`, floored at 0."""
+    length = _norm(v)[..., None]
+    return v * tf.maximum(1.0 - amount / length, 0.0)
+
+
+def descend(smooth_energy, states, steps, learning_rate, l1=None):
+    """Minimise `smooth_energy(states) + sum_k l1[k] sum_capsules |states[k]|` from `states`, in one loop.
+
+    Each step takes a gradient step on the smooth part for every state and,
+    for each state k with an L1 weight `l1[k] > 0`, the proximal step of
+    its L1 term (`shrink`): proximal gradient descent, which for a step below
+    1 / (the smooth part's gradient Lipschitz constant) never raises the
+    energy and, unlike a subgradient step, settles exactly at 0 where the
+    L1 term puts a capsule. The loop is a `tf.while_loop`: no Python loop
+    per step.
+
+    Args:
+        smooth_energy: function of the list of states returning `[B]`
+            energies (independent chains along the first axis).
+        states: list of tensors `[B, ...]`, the starting states.
+        steps: number of steps.
+        learning_rate: step size.
+        l1: None or a list (one weight per state, 0 for none) of L1
+            weights on capsule lengths (the states' last axis).
+
+    Returns:
+        `(final states, energies [steps + 1, B])`, the total energy (L1
+        included) before each step and after the last.
+    """
+    states = [tf.convert_to_tensor(s) for s in states]
+    l1 = list(l1 or [0.0] * len(states))
+
+    def total(xs):
+        energy = smooth_energy(xs)
+        for x, weight in zip(xs, l1):
+            if weight:
+                energy = energy + weight * tf.reduce_sum(_norm(x), axis=tuple(range(1, x.shape.rank - 1)))
+        return energy
+
+    def body(k, xs, trace):
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            energy = smooth_energy(xs)
+        grads = tape.gradient(energy, xs)
+        xs = [x - learning_rate * g for x, g in zip(xs, grads)]
+        xs = [shrink(x, learning_rate * w) if w else x for x, w in zip(xs, l1)]
+        return k + 1, xs, trace.write(k + 1, total(xs))
+
+    trace = tf.TensorArray(states[0].dtype, size=steps + 1).write(0, total(states))
+    _, final, trace = tf.while_loop(lambda k, *_: k < steps, body, (tf.constant(0), states, trace))
+    return final, trace.stack()
+
+
+def toy_energy(x, u, target, penalty, reading):
+    """Appendix B's energy of the hidden states `x [B, 3]` of the 3-3-1 network (W1 = I, W2 = [1, 1, 1]).
+
+    `e1 = x - u`, `e2 = sum(x) - t`; output-only: `e2^2 + P(x)`; full:
+    `(e2^2 + P(x)) + (|e1|^2 + P(x))`, the penalty counted in both terms as
+    in the authors' script. `P` is 0, `sum |x|` or `sum x^2`.
+    """
+    if penalty not in PENALTIES:
+        raise ValueError(f"penalty must be one of {PENALTIES}. Received: penalty={penalty!r}")
+    if reading not in READINGS:
+        raise ValueError(f"reading must be one of {READINGS}. Received: reading={reading!r}")
+    p = {"none": tf.zeros_like(x[:, 0]), "l1": tf.reduce_sum(tf.abs(x), -1),
+         "l2": tf.reduce_sum(tf.square(x), -1)}[penalty]
+    energy = tf.square(tf.reduce_sum(x, -1) - target) + p
+    if reading == "full":
+        energy = energy + tf.reduce_sum(tf.square(x - u), -1) + p
+    return energy
+
+
+def toy_states(penalty, reading, u=(-1.0, 5.0, 2.0), target=2.0, steps=500, learning_rate=0.01):
+    """The toy's hidden states over plain gradient descent from `x = u` (the authors' script).
+
+    Plain (sub)gradient steps, as the script takes them: the L1 term's
+    gradient is `sign(x)`, with `sign(0) = 0`.
+
+    Returns:
+        `(trajectory [steps + 1, 3], energies [steps + 1])`, float64.
+    """
+    u = tf.constant([u], dtype=tf.float64)
+    energy = lambda xs: toy_energy(xs[0], u, target, penalty, reading)
+
+    def body(k, x, path):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            e = energy([x])
+        x = x - learning_rate * tape.gradient(e, x)
+        return k + 1, x, path.write(k + 1, x[0])
+
+    path = tf.TensorArray(tf.float64, size=steps + 1).write(0, u[0])
+    _, _, path = tf.while_loop(lambda k, *_: k < steps, body, (tf.constant(0), u, path))
+    trajectory = path.stack()
+    return trajectory, energy([trajectory])
+
+
+def capsnet_energy(model, h, labels=None, label_weight=1.0):
+    """The smooth part of appendix C's energy for a CapsNet, as a function of `[u, v]`.
+
+        E = |u - squash(primary(h))|^2 + sum_j |v_j - squash(sum_i c0_ij W_ij u_i)|^2
+            + kappa_y sum_j (|v_j| - y_j)^2
+
+    with `h = ReLU(conv1(x))` fixed, the routing's first-round (uniform)
+    coefficients c0, and the label term only when `labels` are given
+    (kappa_y = `label_weight`, y one-hot). The L1 term `lambda sum_j |v_j|`
+    is `descend`'s.
+    """
+    primary_target = model.primary(model.primary_conv(h))
+    routing = model.class_capsules.routing
+    c0 = routing.uniform_coefficient(primary_target.shape[1], model.num_classes)
+    kernel = model.class_capsules.kernel
+    onehot = None if labels is None else tf.one_hot(labels, model.num_classes, dtype=h.dtype)
+
+    def energy(states):
+        u, v = states
+        # [B, I, D_in] x [I, J, D_out, D_in] -> [B, J, D_out], the uniform coefficients' sum of votes
+        prediction = squash(c0 * tf.einsum("bie,ijoe->bjo", u, kernel))
+        e = (tf.reduce_sum(tf.square(u - primary_target), axis=(1, 2))
+             + tf.reduce_sum(tf.square(v - prediction), axis=(1, 2)))
+        if onehot is not None:
+            e = e + label_weight * tf.reduce_sum(tf.square(_norm(v) - onehot), axis=-1)
+        return e
+
+    return energy, primary_target
+
+
+def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, label_weight=1.0):
+    """Iterative inference in a CapsNet trained without routing: primary and class capsules free.
+
+    Starts from the feed-forward pass (primary capsules `u`, class capsules
+    `v` with uniform coefficients) and runs `descend` on
+    `capsnet_energy` plus `l1 sum_j |v_j|`, learning rate 0.01 and 500
+    steps by default (section 3.1, appendix C). With `labels` the label term
+    clamps the class-capsule lengths toward the one-hot label; without, the
+    longest class capsule classifies.
+
+    Args:
+        model: a `poecaps.models.CapsNet` (routing as trained is ignored: the
+            coefficients are the uniform first-round ones).
+        images: `[B, H, W, C]` in [0, 1].
+        labels: None or `[B]` integer labels (clamped).
+        steps, learning_rate, l1, label_weight: as above.
+
+    Returns:
+        dict with `primary` (u `[B, I, 8]`), `classes` (v `[B, K, 16]`),
+        `lengths` (`|v|` `[B, K]`), `initial_lengths` and `energy`
+        (`[steps + 1, B]`).
+    """
+    images = tf.convert_to_tensor(images, tf.float32)
+    h = model.conv1(images)
+    energy, u0 = capsnet_energy(model, h, None if labels is None else tf.convert_to_tensor(labels), label_weight)
+    routing = model.class_capsules.routing
+    c0 = routing.uniform_coefficient(u0.shape[1], model.num_classes)
+    v0 = squash(c0 * tf.einsum("bie,ijoe->bjo", u0, model.class_capsules.kernel))
+    (u, v), trace = tf.function(
+        lambda u0, v0: descend(energy, [u0, v0], steps, learning_rate, [0.0, l1]))(u0, v0)
+    return {"primary": u, "classes": v, "lengths": _norm(v), "initial_lengths": _norm(v0), "energy": trace}

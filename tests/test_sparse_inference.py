@@ -1,0 +1,161 @@
+"""Routing as inference: the toy against hand-derived minimisers, the router against its closed form."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from poecaps import inference
+from poecaps.models import CapsNet
+from poecaps.routing import DynamicRouting, SparseInferenceRouting
+
+U = np.array([-1.0, 5.0, 2.0])
+
+# Minimisers derived by hand (target 2, W1 = I, W2 = [1, 1, 1]); S = sum(x), d = S - 2.
+#   output-only, L2:  grad 2d + 2x = 0    -> every x = -d, S = -3d -> x = 1/2 each
+#   full, none:       2d + 2(x - u) = 0   -> x = u - d, S = 6 - 3d = 2 + d -> d = 1
+#   full, L2:         2d + 2(x - u) + 4x  -> x = (u - d)/3, S = (6 - 3d)/3 = 2 + d -> d = 0
+#   full, L1:         x = soft(u - d, 1) (strictly convex); d in (0, 1) gives x = (-d, 4 - d, 1 - d),
+#                     S = 5 - 3d = 2 + d -> d = 3/4
+UNIQUE = {("output_only", "l2"): [0.5, 0.5, 0.5], ("full", "none"): U - 1,
+          ("full", "l2"): U / 3, ("full", "l1"): [-0.75, 3.25, 0.25]}
+
+
+@pytest.mark.parametrize("reading, penalty", sorted(UNIQUE))
+def test_toy_reaches_the_unique_minimiser(reading, penalty):
+    trajectory, _ = inference.toy_states(penalty, reading)
+    # slowest contraction 1 - 0.01 * 2 per step: 0.98^500 * (distance <= 5) < 2e-4
+    np.testing.assert_allclose(trajectory[-1].numpy(), UNIQUE[reading, penalty], atol=1e-3)
+
+
+def test_toy_output_only_without_penalty_keeps_the_start_off_the_plane():
+    """Not unique (any x with sum 2): the gradient is along (1, 1, 1), so descent projects u onto the plane."""
+    trajectory, energy = inference.toy_states("none", "output_only")
+    np.testing.assert_allclose(trajectory[-1].numpy(), U - (U.sum() - 2) / 3, atol=1e-9)
+    assert float(energy[-1]) < 1e-20
+
+
+def test_toy_output_only_l1_reaches_a_minimiser_with_one_unit_on():
+    """Not unique (any x >= 0 with sum 3/2, energy 7/4); equal L1 pulls leave the largest input on."""
+    trajectory, energy = inference.toy_states("l1", "output_only")
+    x = trajectory[-1].numpy()
+    assert abs(float(energy[-1]) - 1.75) < 1e-6
+    # subgradient steps of 0.01 leave the zero units jittering around 0 (here by ~1e-6)
+    assert np.all(x >= -1e-4) and abs(x.sum() - 1.5) < 1e-4
+    assert np.count_nonzero(np.abs(x) > 1e-3) == 1 and np.argmax(x) == 1      # the others at 0, to ~1e-6
+
+
+def test_toy_script_prints_the_librarys_states(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "toy_routing.py")
+    out = subprocess.run([sys.executable, script, "--json", "--run-dir", str(tmp_path / "toy")],
+                         capture_output=True, text=True, check=True).stdout
+    printed = json.loads(out.strip().splitlines()[-1])
+    for reading in ("output_only", "full"):
+        for penalty in ("none", "l1", "l2"):
+            trajectory, _ = inference.toy_states(penalty, reading)
+            np.testing.assert_allclose(printed[reading][penalty], trajectory[-1].numpy(), atol=1e-9)
+    assert os.path.exists(tmp_path / "toy" / "toy_routing.png")
+
+
+def closed_form(p, l1, targets=None, kappa=1.0):
+    """argmin_v |v - p|^2 + kappa (|v| - y)^2 + l1 |v|, per parent: along p, length
+    r = max(0, (|p| + kappa y - l1/2) / (1 + kappa)) (derivative in r of the 1-D problem)."""
+    length = np.linalg.norm(p, axis=-1, keepdims=True)
+    if targets is None:
+        r = np.maximum(length - l1 / 2, 0)
+    else:
+        r = np.maximum((length + kappa * targets[..., None] - l1 / 2) / (1 + kappa), 0)
+    return p / length * r
+
+
+def numpy_prediction(votes, activations, normalize):
+    c0 = 1 / (votes.shape[2] if normalize == "parents" else votes.shape[1])
+    z = c0 * np.einsum("bi,bijd->bjd", activations, votes)
+    n2 = np.sum(z * z, -1, keepdims=True)
+    return n2 / (1 + n2) * z / np.sqrt(n2)
+
+
+@pytest.mark.parametrize("normalize", ["parents", "children"])
+@pytest.mark.parametrize("clamped", [False, True])
+def test_router_reaches_the_closed_form(rng, normalize, clamped):
+    votes = (rng.normal(size=(4, 12, 5, 8)) * (1 if normalize == "parents" else 3)).astype("float32")
+    activations = rng.uniform(size=(4, 12)).astype("float32")
+    router = SparseInferenceRouting(l1=0.5, normalize=normalize)
+    p = numpy_prediction(votes.astype("float64"), activations.astype("float64"), normalize)
+    targets = np.eye(5)[rng.integers(0, 5, 4)] if clamped else None
+    if clamped:
+        v, _ = router.infer(votes, activations, targets=targets)
+    else:
+        v = router(votes, activations).poses
+    np.testing.assert_allclose(ops.convert_to_numpy(v), closed_form(p, 0.5, targets), atol=1e-3)
+    # the L1 term does put some parents exactly at 0, others not
+    lengths = np.linalg.norm(closed_form(p, 0.5, targets), axis=-1)
+    assert 0 < np.count_nonzero(lengths == 0) < lengths.size
+
+
+@pytest.mark.parametrize("clamped", [False, True])
+def test_energy_never_rises_at_the_default_learning_rate(rng, clamped):
+    for _ in range(5):
+        votes = rng.normal(size=(3, 10, 4, 16)).astype("float32") * rng.uniform(0.2, 3)
+        targets = np.eye(4)[rng.integers(0, 4, 3)] if clamped else None
+        _, energy = SparseInferenceRouting(l1=float(rng.uniform(0, 2))).infer(votes, targets=targets)
+        energy = ops.convert_to_numpy(energy)
+        assert energy.shape == (501, 3)
+        # float32 rounding of an energy of order 10: a few 1e-6
+        assert np.all(np.diff(energy, axis=0) <= 1e-5 * (1 + np.abs(energy[:-1])))
+        assert np.all(energy[-1] < energy[0])
+
+
+def test_training_returns_the_uniform_feed_forward_prediction(rng):
+    votes = rng.normal(size=(2, 9, 3, 4)).astype("float32")
+    activations = rng.uniform(size=(2, 9)).astype("float32")
+    for normalize in ("parents", "children"):
+        inferred = SparseInferenceRouting(normalize=normalize)(votes, activations, training=True)
+        uniform = DynamicRouting(1, normalize=normalize)(votes, activations)
+        for a, b in zip(inferred, uniform):
+            np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
+
+
+def test_config_round_trip_and_bad_arguments():
+    router = SparseInferenceRouting(iterations=40, learning_rate=0.05, l1=0.3, normalize="children")
+    clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(router))
+    assert clone.get_config() == router.get_config()
+    with pytest.raises(ValueError, match="Received: learning_rate=0"):
+        SparseInferenceRouting(learning_rate=0)
+    with pytest.raises(ValueError, match="Received: l1=-1"):
+        SparseInferenceRouting(l1=-1)
+    with pytest.raises(ValueError, match="Received: penalty='l3'"):
+        inference.toy_states("l3", "full")
+
+
+def _tiny_capsnet():
+    return CapsNet((12, 12, 1), 3, routing_iterations=0, reconstruction=False, conv_filters=8, primary_types=2,
+                   primary_dim=4, class_dim=6, kernel_size=3, seed=1)
+
+
+def test_whole_network_inference_starts_at_the_feed_forward_pass(rng):
+    model = _tiny_capsnet()
+    images = rng.uniform(size=(5, 12, 12, 1)).astype("float32")
+    result = inference.infer(model, images, steps=0)
+    np.testing.assert_allclose(ops.convert_to_numpy(result["lengths"]),
+                               ops.convert_to_numpy(model(images)["scores"]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ops.convert_to_numpy(result["energy"])[0],
+                               ops.convert_to_numpy(ops.sum(result["lengths"], -1)), rtol=1e-5)
+
+
+def test_whole_network_inference_lowers_the_energy_and_obeys_a_clamped_label(rng):
+    model = _tiny_capsnet()
+    images = rng.uniform(size=(6, 12, 12, 1)).astype("float32")
+    labels = np.array([0, 1, 2, 0, 1, 2])
+    free = inference.infer(model, images, steps=200, l1=0.0, learning_rate=0.01)
+    energy = ops.convert_to_numpy(free["energy"])
+    np.testing.assert_allclose(energy[0], 0.0, atol=1e-6)         # no L1, no label: the start is a minimum
+    clamped = inference.infer(model, images, labels, steps=500, l1=0.0)
+    energy = ops.convert_to_numpy(clamped["energy"])
+    assert np.all(energy[-1] < energy[0])
+    assert np.all(np.argmax(ops.convert_to_numpy(clamped["lengths"]), -1) == labels)
