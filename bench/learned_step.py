@@ -19,6 +19,7 @@ forward x 3) / dense-matmul FLOP/s measured in the same run.
 """
 
 import argparse
+import itertools
 
 import keras
 import numpy as np
@@ -167,7 +168,7 @@ def step_flops(batch, router):
         else:
             s = LAYER_SETTINGS["connectionist"][k]
             widths = [16, *s["compatibility_hidden"], 1]
-            mlp = sum(2 * a * b for a, b in zip(widths, widths[1:]))
+            mlp = sum(2 * a * b for a, b in itertools.pairwise(widths))
             total += pairs * (2 * 16 * 64 + ITERATIONS * (2 * 16 * 64 + 2 * 16 + mlp + 12 * 16))
     return 3 * batch * total
 
