@@ -11,6 +11,7 @@ from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import BaselineConfig, BaselineEvaluationConfig
 from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.metrics import hoyer_sparsity
 from poecaps.models.saving import load_component
 
 ROTATIONS = (0, 45, 90, 135, 180)
@@ -78,14 +79,6 @@ def parameter_counts(model):
     size = lambda weights: int(sum(np.prod(w.shape) for w in weights))
     routing = size(w for router in model.routers for w in router.trainable_weights)
     return {"routing": routing, "other": size(model.trainable_weights) - routing}
-
-
-def hoyer_sparsity(scores):
-    """Mean Hoyer sparsity of score vectors: 0 for all equal, 1 for one non-zero entry."""
-    n = scores.shape[-1]
-    l1 = np.sum(np.abs(scores), axis=-1)
-    l2 = np.sqrt(np.sum(np.square(scores), axis=-1)) + 1e-12
-    return float(np.mean((np.sqrt(n) - l1 / l2) / (np.sqrt(n) - 1)))
 
 
 def _figures(model, run, images, labels, config):

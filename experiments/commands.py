@@ -124,6 +124,28 @@ def _toy_routing(argv=None):
         print(json.dumps(finals))
 
 
+def _sparse_inference(argv=None):
+    p = cli.parser("Sparse iterative inference on a trained CapsNet run without routing (Kiefer et al., appendix "
+                   "C): primary and class capsules free, L1 on or off, label clamped or not; writes "
+                   "RUN/inference/inference.json, lengths.png and energy.png.", run_dir_default=None)
+    p.add_argument("--examples", type=int, default=1000, help="test digits (an even spread of the test split)")
+    p.add_argument("--steps", type=int, default=500, help="inference steps")
+    p.add_argument("--l1", type=float, default=1.0, help="L1 weight on the class-capsule lengths")
+    p.add_argument("--seed", default=None, metavar="VALUE",
+                   help="accepted for uniformity; inference is deterministic")
+    args = p.parse_args(argv)
+    if not args.run_dir:
+        p.error("--run-dir (a CapsNet baseline run) is required")
+    for name in ("examples", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1. Received: {getattr(args, name)}")
+    if not args.l1 >= 0:
+        p.error(f"--l1 must be >= 0. Received: {args.l1}")
+    from poecaps.experiments.capsnet_inference import infer_run  # TensorFlow: after --help
+
+    print(json.dumps(infer_run(args.run_dir, args.examples, args.steps, l1=args.l1), indent=2))
+
+
 def train_layerwise(argv=None):
     return cli.run_main(_train_layerwise, argv)
 
@@ -146,3 +168,7 @@ def compare_routing(argv=None):
 
 def toy_routing(argv=None):
     return cli.run_main(_toy_routing, argv)
+
+
+def sparse_inference(argv=None):
+    return cli.run_main(_sparse_inference, argv)

@@ -28,7 +28,7 @@ def shrink(v, amount):
     return v * tf.maximum(1.0 - amount / length, 0.0)
 
 
-def descend(smooth_energy, states, steps, learning_rate, l1=None):
+def descend(smooth_energy, states, steps, learning_rate, l1=None, record=None):
     """Minimise `smooth_energy(states) + sum_k l1[k] sum_capsules |states[k]|` from `states`, in one loop.
 
     Each step takes a gradient step on the smooth part for every state and,
@@ -47,10 +47,13 @@ def descend(smooth_energy, states, steps, learning_rate, l1=None):
         learning_rate: step size.
         l1: None or a list (one weight per state, 0 for none) of L1
             weights on capsule lengths (the states' last axis).
+        record: None or a function of the states whose value is kept
+            before each step and after the last.
 
     Returns:
         `(final states, energies [steps + 1, B])`, the total energy (L1
-        included) before each step and after the last.
+        included) before each step and after the last; with `record`, a
+        third element, its values stacked `[steps + 1, ...]`.
     """
     states = [tf.convert_to_tensor(s) for s in states]
     l1 = list(l1 or [0.0] * len(states))
@@ -62,18 +65,21 @@ def descend(smooth_energy, states, steps, learning_rate, l1=None):
                 energy = energy + weight * tf.reduce_sum(_norm(x), axis=tuple(range(1, x.shape.rank - 1)))
         return energy
 
-    def body(k, xs, trace):
+    keep = record or (lambda xs: tf.zeros(()))
+
+    def body(k, xs, trace, kept):
         with tf.GradientTape() as tape:
             tape.watch(xs)
             energy = smooth_energy(xs)
         grads = tape.gradient(energy, xs)
         xs = [x - learning_rate * g for x, g in zip(xs, grads)]
         xs = [shrink(x, learning_rate * w) if w else x for x, w in zip(xs, l1)]
-        return k + 1, xs, trace.write(k + 1, total(xs))
+        return k + 1, xs, trace.write(k + 1, total(xs)), kept.write(k + 1, keep(xs))
 
     trace = tf.TensorArray(states[0].dtype, size=steps + 1).write(0, total(states))
-    _, final, trace = tf.while_loop(lambda k, *_: k < steps, body, (tf.constant(0), states, trace))
-    return final, trace.stack()
+    kept = tf.TensorArray(states[0].dtype, size=steps + 1).write(0, keep(states))
+    _, final, trace, kept = tf.while_loop(lambda k, *_: k < steps, body, (tf.constant(0), states, trace, kept))
+    return (final, trace.stack()) + ((kept.stack(),) if record else ())
 
 
 def toy_energy(x, u, target, penalty, reading):
@@ -150,7 +156,8 @@ def capsnet_energy(model, h, labels=None, label_weight=1.0):
     return energy, primary_target
 
 
-def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, label_weight=1.0):
+def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, label_weight=1.0,
+          record_lengths=False):
     """Iterative inference in a CapsNet trained without routing: primary and class capsules free.
 
     Starts from the feed-forward pass (primary capsules `u`, class capsules
@@ -166,11 +173,13 @@ def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, lab
         images: `[B, H, W, C]` in [0, 1].
         labels: None or `[B]` integer labels (clamped).
         steps, learning_rate, l1, label_weight: as above.
+        record_lengths: also return the class-capsule lengths of every step.
 
     Returns:
         dict with `primary` (u `[B, I, 8]`), `classes` (v `[B, K, 16]`),
-        `lengths` (`|v|` `[B, K]`), `initial_lengths` and `energy`
-        (`[steps + 1, B]`).
+        `lengths` (`|v|` `[B, K]`), `initial_lengths`, `energy`
+        (`[steps + 1, B]`) and, with `record_lengths`, `length_trace`
+        (`[steps + 1, B, K]`).
     """
     images = tf.convert_to_tensor(images, tf.float32)
     h = model.conv1(images)
@@ -178,6 +187,10 @@ def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, lab
     routing = model.class_capsules.routing
     c0 = routing.uniform_coefficient(u0.shape[1], model.num_classes)
     v0 = squash(c0 * tf.einsum("bie,ijoe->bjo", u0, model.class_capsules.kernel))
-    (u, v), trace = tf.function(
-        lambda u0, v0: descend(energy, [u0, v0], steps, learning_rate, [0.0, l1]))(u0, v0)
-    return {"primary": u, "classes": v, "lengths": _norm(v), "initial_lengths": _norm(v0), "energy": trace}
+    record = (lambda xs: _norm(xs[1])) if record_lengths else None
+    found = tf.function(lambda u0, v0: descend(energy, [u0, v0], steps, learning_rate, [0.0, l1], record))(u0, v0)
+    (u, v), trace = found[:2]
+    result = {"primary": u, "classes": v, "lengths": _norm(v), "initial_lengths": _norm(v0), "energy": trace}
+    if record_lengths:
+        result["length_trace"] = found[2]
+    return result

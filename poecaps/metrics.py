@@ -392,3 +392,16 @@ def _clusters(assignment, labels, classes, count):
             "overall_purity": agreeing / max(len(labels), 1),
             "mean_purity": float(np.mean(won)) if (won := [p for p in purity if p is not None]) else None,
             "classes_covered": len({m for m in majority if m is not None})}
+
+
+def hoyer_sparsity(scores):
+    """Mean Hoyer sparsity of score vectors `[..., n]`: 0 for all equal, 1 for one non-zero entry (and for none).
+
+    `(sqrt(n) - |s|_1 / |s|_2) / (sqrt(n) - 1)` per vector; an all-zero
+    vector, where the ratio is undefined, counts as 1 (nothing is on).
+    """
+    n = scores.shape[-1]
+    l1 = np.sum(np.abs(scores), axis=-1)
+    l2 = np.sqrt(np.sum(np.square(scores), axis=-1))
+    ratio = np.where(l2 > 0, l1 / np.where(l2 > 0, l2, 1.0), 1.0)
+    return float(np.mean((np.sqrt(n) - ratio) / (np.sqrt(n) - 1)))
