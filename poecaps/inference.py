@@ -8,6 +8,8 @@ predictive-coding toy of appendix B; `infer` frees the primary and class
 capsules of a CapsNet trained without routing (appendix C).
 """
 
+import functools
+
 import tensorflow as tf
 
 from poecaps.capsules import squash
@@ -136,24 +138,34 @@ def capsnet_energy(model, h, labels=None, label_weight=1.0):
     coefficients c0, and the label term only when `labels` are given
     (kappa_y = `label_weight`, y one-hot). The L1 term `lambda sum_j |v_j|`
     is `descend`'s.
+
+    Returns:
+        `(energy, u0, predict)`: the energy of `[u, v]`, the primary
+        capsules' feed-forward value, and `predict(u)`, the class capsules
+        the primary capsules `u` predict.
     """
     primary_target = model.primary(model.primary_conv(h))
-    routing = model.class_capsules.routing
-    c0 = routing.uniform_coefficient(primary_target.shape[1], model.num_classes)
+    num_in, in_dim = primary_target.shape[1:]
+    c0 = model.class_capsules.routing.uniform_coefficient(num_in, model.num_classes)
     kernel = model.class_capsules.kernel
+    # W [I, J, D_out, D_in] arranged once as [I * D_in, J * D_out]: the sum of votes is then one matmul.
+    matrix = tf.reshape(tf.transpose(kernel, (0, 3, 1, 2)), (num_in * in_dim, -1))
     onehot = None if labels is None else tf.one_hot(labels, model.num_classes, dtype=h.dtype)
+
+    def predict(u):
+        # [B, I * D_in] x [I * D_in, J * D_out] -> [B, J, D_out] = squash(c0 sum_i W_ij u_i)
+        flat = tf.matmul(tf.reshape(u, (-1, num_in * in_dim)), matrix)
+        return squash(c0 * tf.reshape(flat, (-1, model.num_classes, kernel.shape[2])))
 
     def energy(states):
         u, v = states
-        # [B, I, D_in] x [I, J, D_out, D_in] -> [B, J, D_out], the uniform coefficients' sum of votes
-        prediction = squash(c0 * tf.einsum("bie,ijoe->bjo", u, kernel))
         e = (tf.reduce_sum(tf.square(u - primary_target), axis=(1, 2))
-             + tf.reduce_sum(tf.square(v - prediction), axis=(1, 2)))
+             + tf.reduce_sum(tf.square(v - predict(u)), axis=(1, 2)))
         if onehot is not None:
             e = e + label_weight * tf.reduce_sum(tf.square(_norm(v) - onehot), axis=-1)
         return e
 
-    return energy, primary_target
+    return energy, primary_target, predict
 
 
 def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, label_weight=1.0,
@@ -181,16 +193,26 @@ def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, lab
         (`[steps + 1, B]`) and, with `record_lengths`, `length_trace`
         (`[steps + 1, B, K]`).
     """
+    run = _compiled_inference(model, steps, float(learning_rate), float(l1), float(label_weight),
+                              labels is not None, record_lengths)
     images = tf.convert_to_tensor(images, tf.float32)
-    h = model.conv1(images)
-    energy, u0 = capsnet_energy(model, h, None if labels is None else tf.convert_to_tensor(labels), label_weight)
-    routing = model.class_capsules.routing
-    c0 = routing.uniform_coefficient(u0.shape[1], model.num_classes)
-    v0 = squash(c0 * tf.einsum("bie,ijoe->bjo", u0, model.class_capsules.kernel))
-    record = (lambda xs: _norm(xs[1])) if record_lengths else None
-    found = tf.function(lambda u0, v0: descend(energy, [u0, v0], steps, learning_rate, [0.0, l1], record))(u0, v0)
-    (u, v), trace = found[:2]
-    result = {"primary": u, "classes": v, "lengths": _norm(v), "initial_lengths": _norm(v0), "energy": trace}
-    if record_lengths:
-        result["length_trace"] = found[2]
-    return result
+    found = run(images, tf.zeros(tf.shape(images)[:1], tf.int32) if labels is None
+                else tf.convert_to_tensor(labels, tf.int32))
+    keys = ["primary", "classes", "lengths", "initial_lengths", "energy"] + ["length_trace"] * record_lengths
+    return dict(zip(keys, found))
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled_inference(model, steps, learning_rate, l1, label_weight, clamped, record_lengths):
+    """`infer`'s work for one model and settings, as one XLA computation of `(images, labels)`, built once."""
+
+    def run(images, labels):
+        h = model.conv1(images)
+        energy, u0, predict = capsnet_energy(model, h, labels if clamped else None, label_weight)
+        v0 = predict(u0)
+        record = (lambda xs: _norm(xs[1])) if record_lengths else None
+        found = descend(energy, [u0, v0], steps, learning_rate, [0.0, l1], record)
+        (u, v), trace = found[:2]
+        return (u, v, _norm(v), _norm(v0), trace) + tuple(found[2:])
+
+    return tf.function(run, jit_compile=True)
