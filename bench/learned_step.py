@@ -146,11 +146,12 @@ class TiledReference(keras.Model):
 
     def call(self, images, labels):
         x = self.batch_norm(self.conv1(images), training=True)
-        poses = tf.reshape(self.pose(x), (-1, 12, 12, 8, 16))
-        poses = poses / tf.sqrt(tf.reduce_sum(tf.square(poses), axis=-1, keepdims=True) + 1e-7)
+        unit = lambda p: p / tf.sqrt(tf.reduce_sum(tf.square(p), axis=-1, keepdims=True) + 1e-7)
+        poses = unit(tf.reshape(self.pose(x), (-1, 12, 12, 8, 16)))
         p1, a1 = self._conv_caps(tf.reshape(poses, (-1, 12, 12, 128)), self.act(x), 0, 2)
+        p1 = tf.reshape(unit(tf.reshape(p1, (-1, 5, 5, 16, 16))), (-1, 5, 5, 256))
         p2, a2 = self._conv_caps(p1, a1, 1, 1)
-        votes = tiled_votes(tf.reshape(p2, (-1, 144, 16)), self.w[2])
+        votes = tiled_votes(unit(tf.reshape(p2, (-1, 144, 16))), self.w[2])
         _, scores = self.routers[2](votes, tf.reshape(a2, (-1, 144)))
         return tf.reduce_mean(losses.softmax_cross_entropy(labels, scores))
 

@@ -126,3 +126,12 @@ def test_a_trained_network_saves_and_reloads_with_identical_predictions(tmp_path
     for key in ("scores", "poses", "coefficients"):
         np.testing.assert_array_equal(ops.convert_to_numpy(again(images)[key]),
                                       ops.convert_to_numpy(model(images)[key]))
+
+
+@pytest.mark.parametrize("routing", ["uniform", "dynamic", "sparse_inference"])
+def test_squashing_routers_start_with_usable_class_lengths(rng, routing):
+    """Poses are renormalised before every capsule layer: squashed lengths do not shrink layer by layer
+    (without it the uniform network's class lengths start near 1e-20)."""
+    model = RoutingCapsNet((28, 28, 1), 10, routing=routing)
+    scores = ops.convert_to_numpy(model(rng.uniform(size=(8, 28, 28, 1)).astype("float32"))["scores"])
+    assert scores.max() > 0.05 and scores.max() < 0.999

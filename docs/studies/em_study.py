@@ -18,12 +18,15 @@ import keras
 import numpy as np
 
 from poecaps import data
+from poecaps.initializers import NearIdentity
 from poecaps.models import MatrixCapsNet, RoutingCapsNet
 from poecaps.models.routing_capsnet import layer_routers
 from poecaps.trainers.supervised import SupervisedTrainer
 
 
 def matrix(**changes):
+    # The study's baseline is MatrixCapsNet as it was before the study: W ~ N(0, 0.5).
+    changes = {"kernel_initializer": keras.initializers.RandomNormal(stddev=0.5), **changes}
     return lambda steps: MatrixCapsNet((28, 28, 1), 10, margin_steps=steps, chunk_capsules=None,
                                        **{"final_lambda": 1.0, "cost_normalization": "standardize", **changes})
 
@@ -38,7 +41,10 @@ VARIANTS = {
     "matrix": (matrix(), 0, "hinton2018-small as it is (no BN, W ~ N(0, 0.5), standardised costs, lambda 1)"),
     "routingnet": (routing_net(), 2, "faria2019-em as it is (the Table 1 network)"),
     "matrix_bn": (matrix(batch_norm=True), 0, "matrix with batch norm after the ReLU convolution"),
-    "matrix_w1": (matrix(kernel_stddev=1.0), 0, "matrix with W ~ N(0, 1) (the public code's randn)"),
+    "matrix_w1": (matrix(kernel_initializer=keras.initializers.RandomNormal(stddev=1.0)), 0,
+                  "matrix with W ~ N(0, 1) (the public code's randn)"),
+    "matrix_identity": (matrix(kernel_initializer=NearIdentity(0.1)), 0,
+                        "matrix with W = I + U(-0.1, 0.1) (the learned-routing network's start)"),
     "matrix_raw_costs": (matrix(cost_normalization="none", final_lambda=0.01), 0,
                          "matrix with the paper's raw costs (eq. 27) and inverse-temperature scale 0.01"),
 }

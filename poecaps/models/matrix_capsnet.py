@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import losses
+from poecaps.initializers import NearIdentity
 from poecaps.layers import ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
 from poecaps.routing import EMRouting
@@ -33,8 +34,10 @@ class MatrixCapsNet(keras.Model):
         margin_steps: steps over which the spread-loss margin rises.
         batch_norm: batch normalisation after the ReLU convolution (as the
             learned-routing network and public reimplementations have it).
-        kernel_stddev: standard deviation of the capsule layers' initial
-            transformation matrices, N(0, kernel_stddev).
+        kernel_initializer: initializer of the capsule layers' transformation
+            matrices (default `NearIdentity(0.1)`, W = I + U(-0.1, 0.1), so
+            every vote starts near its child's pose; docs/em_study.md
+            compares it with N(0, 0.5) and N(0, 1)).
         chunk_capsules: lower capsules whose votes and routing are computed
             together in ConvCaps1 and ConvCaps2: each layer routes
             `max(1, chunk_capsules // (9 * types in))` receptive fields at a
@@ -51,7 +54,7 @@ class MatrixCapsNet(keras.Model):
 
     def __init__(self, image_shape, num_classes, routing_iterations=3, a=64, b=8, c=16, d=16,
                  final_lambda=1.0, cost_normalization="standardize", margin_steps=10000, batch_norm=False,
-                 kernel_stddev=0.5, chunk_capsules=CHUNK_CAPSULES, **kwargs):
+                 kernel_initializer=None, chunk_capsules=CHUNK_CAPSULES, **kwargs):
         super().__init__(**kwargs)
         check_classifier_arguments(image_shape, num_classes)
         self.image_shape = tuple(image_shape)
@@ -62,12 +65,13 @@ class MatrixCapsNet(keras.Model):
         self.cost_normalization = cost_normalization
         self.margin_steps = margin_steps
         self.batch_norm = batch_norm
-        self.kernel_stddev = kernel_stddev
+        self.kernel_initializer = keras.initializers.get(
+            kernel_initializer or NearIdentity(0.1))
         self.chunk_capsules = chunk_capsules
         chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
         em = lambda name: EMRouting(routing_iterations, final_lambda,
                                     cost_normalization=cost_normalization, name=name)
-        init = lambda: keras.initializers.RandomNormal(stddev=kernel_stddev)
+        init = lambda: keras.initializers.get(keras.initializers.serialize(self.kernel_initializer))
         self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1")
         self.norm = keras.layers.BatchNormalization(name="batch_norm") if batch_norm else None
         self.primary = PrimaryMatrixCapsules(b, name="primary_capsules")
@@ -115,5 +119,6 @@ class MatrixCapsNet(keras.Model):
                 "routing_iterations": self.routing_iterations, "a": self.a, "b": self.b, "c": self.c,
                 "d": self.d, "final_lambda": self.final_lambda,
                 "cost_normalization": self.cost_normalization, "margin_steps": self.margin_steps,
-                "batch_norm": self.batch_norm, "kernel_stddev": self.kernel_stddev,
+                "batch_norm": self.batch_norm,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "chunk_capsules": self.chunk_capsules, "name": self.name}

@@ -20,17 +20,27 @@ LAYER_SETTINGS = {
 }
 
 
+def frobenius_unit(poses):
+    """Each pose `[..., 16]` over its Frobenius norm: a capsule layer reads directions, presence is its activation."""
+    return poses / ops.sqrt(ops.sum(ops.square(poses), axis=-1, keepdims=True) + 1e-7)
+
+
 def layer_routers(routing, iterations=3, seed=0, **options):
     """The three routers of the network (ConvCaps1, ConvCaps2, class layer) for a routing name.
 
     Learned routers get the paper's per-layer sizes (`LAYER_SETTINGS`);
     `options` go to every router (for EM, `final_lambda`, ...). `"uniform"`
-    is one round of dynamic routing whatever `iterations` says.
+    is one round of dynamic routing whatever `iterations` says;
+    `"sparse_inference"` is the uniform network with the class layer's
+    parents inferred at test time (500 steps, L1 weight 1). Dynamic routing
+    and its uniform ablation normalise over the parents, as Sabour's does.
     """
+    if routing == "sparse_inference":
+        # The uniform network, whose class capsules are inferred at test time (Kiefer et al.).
+        return [routing_lib.get("uniform", agreement="dot"), routing_lib.get("uniform", agreement="dot"),
+                routing_lib.get("sparse_inference", **options)]
     if routing in ("uniform", "dynamic"):
-        # Over the children, as every other router here but EM: with Frobenius-normalised votes, a
-        # sum over ~100 children at 1/J each saturates the squash (every class length near 1).
-        options = {"agreement": "dot", "normalize": "children", **options}
+        options = {"agreement": "dot", **options}
     if routing == "uniform":
         return [routing_lib.get("uniform", **options) for _ in range(3)]
     seeded = routing in LAYER_SETTINGS
@@ -44,14 +54,21 @@ class RoutingCapsNet(keras.Model):
     """Faria's Table 1 network: matrix capsules with Frobenius-normalised votes, any router in each layer.
 
     conv 5x5 stride 2 (64 channels), ReLU, batch norm -> primary matrix
-    capsules (1x1, 8 types, 4x4 pose divided by its Frobenius norm, logistic
-    activation) -> ConvCaps1 (K=3, stride 2, 16 types) -> ConvCaps2 (K=3,
-    stride 1, 16 types) -> class capsules over every position, with one
-    transformation per (position, type, class) (unshared: the paper's 86K
-    parameters without routing on smallNORB need it). Every capsule layer
-    votes with `V_ij = P_i W_ij / |W_ij|_F` (Faria eq. 1; Hinton's order of
-    the product), W starting at I + U(-0.1, 0.1), and hands the votes and
-    child activations to its router. On 28x28 input the capsule maps are
+    capsules (1x1, 8 types, 4x4 pose, logistic activation) -> ConvCaps1
+    (K=3, stride 2, 16 types) -> ConvCaps2 (K=3, stride 1, 16 types) ->
+    class capsules over every position, with one transformation per
+    (position, type, class) (unshared: the paper's 86K parameters without
+    routing on smallNORB need it). Every capsule layer votes with
+    `V_ij = P_i W_ij / |W_ij|_F` (Faria eq. 1; Hinton's order of the
+    product), W starting at I + U(-0.1, 0.1), and hands the votes and child
+    activations to its router.
+
+    Every capsule layer reads its input poses divided by their Frobenius norm
+    (`frobenius_unit`), the primary ones as the paper has it and, a
+    departure, the deeper ones too: a pose carries a direction, the
+    activation carries presence. Without it, routers whose poses are squashed
+    (dynamic, uniform) shrink every layer's lengths quadratically, and the
+    class capsules of this three-layer network start at lengths near 1e-20. On 28x28 input the capsule maps are
     12x12, 5x5 and 3x3. The class scores are the class capsules'
     activations.
 
@@ -136,11 +153,10 @@ class RoutingCapsNet(keras.Model):
     def encode(self, images, training=None):
         """The class layer's `RoutingResult` (poses `[B, K, 16]`, activations `[B, K]`)."""
         poses, act = self.primary(self.batch_norm(self.conv1(images), training=training))
-        poses = poses / ops.sqrt(ops.sum(ops.square(poses), axis=-1, keepdims=True) + 1e-7)
-        r1 = self.conv_caps1.route(poses, act, training=training)
-        r2 = self.conv_caps2.route(r1.poses, r1.activations, training=training)
+        r1 = self.conv_caps1.route(frobenius_unit(poses), act, training=training)
+        r2 = self.conv_caps2.route(frobenius_unit(r1.poses), r1.activations, training=training)
         _, h, w, types, dim = r2.poses.shape
-        flat_poses = ops.reshape(r2.poses, (-1, h * w * types, dim))
+        flat_poses = ops.reshape(frobenius_unit(r2.poses), (-1, h * w * types, dim))
         flat_act = ops.reshape(r2.activations, (-1, h * w * types))
         return self.class_capsules.route(flat_poses, flat_act, training=training)
 
