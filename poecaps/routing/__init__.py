@@ -17,6 +17,7 @@ from poecaps.routing.dynamic import DynamicRouting
 from poecaps.routing.em import EMRouting
 from poecaps.routing.similarity import SimilarityRouting
 from poecaps.routing.sparse_inference import SparseInferenceRouting
+from poecaps.routing.top_down import TopDownAttention
 
 _REGISTRY = {
     "dynamic": lambda **kw: DynamicRouting(**kw),
@@ -45,4 +46,4 @@ def get(identifier, **kwargs):
 
 
 __all__ = ["ConnectionistRouting", "DynamicRouting", "EMRouting", "Routing", "RoutingResult",
-           "SimilarityRouting", "SparseInferenceRouting", "get"]
+           "SimilarityRouting", "SparseInferenceRouting", "TopDownAttention", "get"]

@@ -1,0 +1,229 @@
+"""A generative capsule layer with a von Mises-Fisher part model, inverted by MAP-EM (Kiefer et al., section 4).
+
+Spec: `../shared/specs/generative-capsules.md` (the proper model behind eq. 7-8).
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from poecaps import vmf
+from poecaps.routing.base import RoutingResult
+
+_TINY = 1e-9
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class GenerativeCapsules(keras.layers.Layer):
+    """Parents generate children: each child picks a parent, its direction is vMF, its length Gaussian.
+
+    With parents `v_j ~ N(0, I)` (`[J, D_p]`) and learned top-down maps
+    `G_ij` (`[I, J, D_c, D_p]`), the prediction of child i by parent j is
+    `U_ij = G_ij v_j`. Each child picks a parent `s_i ~ Cat(pi_i)`; given
+    `s_i = j` its direction is `vMF(U_ij / |U_ij|, kappa_ij)` on S^(D_c-1)
+    and its length `N(|U_ij|, sigma_ij^2)`, so (the Jacobian of polar
+    coordinates included)
+
+        log p(V_i | s_i = j, v) = log C(kappa_ij) + kappa_ij cos(V_i, U_ij)
+                                  - (|V_i| - |U_ij|)^2 / (2 sigma_ij^2) - log(sqrt(2 pi) sigma_ij)
+                                  - (D_c - 1) log |V_i|.
+
+    The posterior over the parent, `softmax_j(log pi_ij + log p(V_i | j, v))`,
+    is eq. 7's attention made a proper density.
+
+    Inversion (`infer`) is MAP-EM on the bound, each child weighted by its
+    activation a_i,
+
+        L(v, r) = sum_i a_i sum_j r_ij (log pi_ij + log p(V_i | j, v) - log r_ij) + log N(v; 0, I):
+
+    it starts from the bottom-up mean votes (the Gaussian closed form of the
+    spec with uniform r,
+    `v_j = (I + sum_i a_i G_ij^T G_ij / (J s^2))^-1 sum_i a_i G_ij^T V_i / (J s^2)`,
+    s^2 the mean sigma^2); each iteration sets r exactly (E-step) and then
+    takes `pose_steps` gradient steps on v, each kept only if it raises the
+    bound of its example (its step halves otherwise, grows by 1.5 when kept),
+    so the bound never decreases. `G`, `kappa`, `sigma` and the mixing
+    weights are learned on the same bound at the inferred (v, r)
+    (generalised EM; `poecaps.trainers.generative.GenerativeCapsuleTrainer`).
+
+    Args:
+        num_parents: J.
+        parent_dim: D_p.
+        child_dim: D_c (>= 2).
+        em_iterations: E/M iterations of `infer`.
+        pose_steps: gradient steps on v per M-step.
+        kappa: initial concentration of every (child, parent) pair.
+        sigma: initial length noise of every pair.
+        seed: seed of the initial G (N(0, 1 / D_p): |U_ij| ~ |v_j|).
+
+    Call arguments:
+        children: `[B, I, D_c]`; activations `[B, I]` or None (ones).
+
+    Returns (call = `infer`):
+        `RoutingResult(poses = v [B, J, D_p], activations = the share of the
+        children each parent explains [B, J], coefficients = r [B, I, J],
+        summing to 1 over the parents)`.
+    """
+
+    normalizes = "parents"
+
+    def __init__(self, num_parents, parent_dim, child_dim, em_iterations=20, pose_steps=5, kappa=10.0,
+                 sigma=0.1, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        for name, value, low in (("num_parents", num_parents, 1), ("parent_dim", parent_dim, 1),
+                                 ("child_dim", child_dim, 2), ("em_iterations", em_iterations, 1),
+                                 ("pose_steps", pose_steps, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}. Received: {name}={value!r}")
+        for name, value in (("kappa", kappa), ("sigma", sigma)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive. Received: {name}={value}")
+        self.num_parents = num_parents
+        self.parent_dim = parent_dim
+        self.child_dim = child_dim
+        self.em_iterations = em_iterations
+        self.pose_steps = pose_steps
+        self.kappa = float(kappa)
+        self.sigma = float(sigma)
+        self.seed = seed
+
+    def build(self, children_shape, activations_shape=None):
+        num_in = children_shape[1]
+        if children_shape[-1] != self.child_dim:
+            raise ValueError(f"children must have {self.child_dim} dimensions. Received: shape={children_shape}")
+        pairs = (num_in, self.num_parents)
+        self.maps = self.add_weight(
+            name="maps", shape=(*pairs, self.child_dim, self.parent_dim),
+            initializer=keras.initializers.RandomNormal(stddev=1.0 / math.sqrt(self.parent_dim), seed=self.seed))
+        self.log_kappa = self.add_weight(name="log_kappa", shape=pairs,
+                                         initializer=keras.initializers.Constant(math.log(self.kappa)))
+        self.log_sigma = self.add_weight(name="log_sigma", shape=pairs,
+                                         initializer=keras.initializers.Constant(math.log(self.sigma)))
+        self.mix_logits = self.add_weight(name="mix_logits", shape=pairs, initializer="zeros")
+
+    # --- the model ---------------------------------------------------------------------------
+
+    def predictions(self, v):
+        """`U_ij = G_ij v_j`: `[B, J, D_p]` -> `[B, I, J, D_c]`."""
+        # [I, J, D_c, D_p] x [B, J, D_p] -> [B, I, J, D_c]
+        return tf.einsum("ijcp,bjp->bijc", tf.cast(self.maps, v.dtype), v)
+
+    def _parameters(self, dtype):
+        kappa = tf.exp(tf.cast(self.log_kappa, dtype))
+        return {"kappa": kappa, "log_c": vmf.vmf_log_normalizer(kappa, self.child_dim),
+                "log_sigma": tf.cast(self.log_sigma, dtype),
+                "log_pi": tf.nn.log_softmax(tf.cast(self.mix_logits, dtype), axis=-1)}
+
+    def child_log_likelihoods(self, children, v, params=None):
+        """`log p(V_i | s_i = j, v)` `[B, I, J]` (`params`: `_parameters`, computed once per inference)."""
+        params = params or self._parameters(children.dtype)
+        u = self.predictions(v)
+        u_len = tf.sqrt(tf.reduce_sum(tf.square(u), -1) + _TINY)
+        x_len = tf.sqrt(tf.reduce_sum(tf.square(children), -1) + _TINY)[:, :, None]
+        cos = tf.einsum("bic,bijc->bij", children, u) / (x_len * u_len)
+        sigma = tf.exp(params["log_sigma"])
+        return (params["log_c"] + params["kappa"] * cos - tf.square(x_len - u_len) / (2.0 * tf.square(sigma))
+                - params["log_sigma"] - 0.5 * math.log(2.0 * math.pi) - (self.child_dim - 1) * tf.math.log(x_len))
+
+    def log_joint(self, children, v, r, activations=None, params=None):
+        """The bound `L(v, r)` `[B]` (equal to `log p(V, v)` when r is the posterior over the parents)."""
+        params = params or self._parameters(children.dtype)
+        a = tf.ones(tf.shape(children)[:2], children.dtype) if activations is None else activations
+        log_lik = self.child_log_likelihoods(children, v, params)
+        per_child = tf.reduce_sum(r * (params["log_pi"] + log_lik - tf.math.log(r + 1e-30)), -1)
+        prior = -0.5 * tf.reduce_sum(tf.square(v), (1, 2)) - 0.5 * self.num_parents * self.parent_dim * math.log(
+            2.0 * math.pi)
+        return tf.reduce_sum(a * per_child, -1) + prior
+
+    def posterior(self, children, v, params=None):
+        """The E-step: `r_ij = softmax_j(log pi_ij + log p(V_i | j, v))`."""
+        params = params or self._parameters(children.dtype)
+        return tf.nn.softmax(params["log_pi"] + self.child_log_likelihoods(children, v, params), axis=-1)
+
+    def bottom_up(self, children, activations=None):
+        """The start of inversion: the Gaussian closed form of the spec with uniform r (mean votes)."""
+        dtype = children.dtype
+        a = tf.ones(tf.shape(children)[:2], dtype) if activations is None else activations
+        g = tf.cast(self.maps, dtype)
+        weight = a / (self.num_parents * tf.reduce_mean(tf.exp(2.0 * tf.cast(self.log_sigma, dtype))))
+        # sum_i w_i G_ij^T G_ij: [B, I] x [I, J, D_c, D_p] x [I, J, D_c, D_q] -> [B, J, D_p, D_q]
+        precision = tf.eye(self.parent_dim, dtype=dtype) + tf.einsum("bi,ijcp,ijcq->bjpq", weight, g, g)
+        # sum_i w_i G_ij^T V_i: -> [B, J, D_p]
+        rhs = tf.einsum("bi,ijcp,bic->bjp", weight, g, children)
+        return tf.linalg.solve(precision, rhs[..., None])[..., 0]
+
+    # --- inversion ---------------------------------------------------------------------------
+
+    def infer(self, children, activations=None, iterations=None, return_trace=False):
+        """MAP-EM from the bottom-up mean votes; see the class docstring.
+
+        Returns:
+            `RoutingResult(v, parent activations, r)`; with `return_trace`,
+            also the bound after the start and after each iteration
+            (`[iterations + 1, B]`).
+        """
+        children = tf.convert_to_tensor(children)
+        dtype = children.dtype
+        a = tf.ones(tf.shape(children)[:2], dtype) if activations is None else tf.cast(activations, dtype)
+        params = {k: tf.stop_gradient(t) for k, t in self._parameters(dtype).items()}
+        bound = lambda v, r: self.log_joint(children, v, r, a, params)
+        v = tf.stop_gradient(self.bottom_up(children, a))
+        r = self.posterior(children, v, params)
+        trace = [bound(v, r)]
+        step = tf.fill(tf.shape(children)[:1], tf.constant(0.1, dtype))
+        for _ in range(iterations or self.em_iterations):
+            r = self.posterior(children, v, params)
+            current = bound(v, r)
+            for _ in range(self.pose_steps):
+                with tf.GradientTape() as tape:
+                    tape.watch(v)
+                    value = bound(v, r)
+                grad = tape.gradient(value, v)
+                trial = v + step[:, None, None] * grad
+                better = bound(trial, r) >= current
+                v = tf.where(better[:, None, None], trial, v)
+                current = tf.where(better, bound(v, r), current)
+                step = tf.where(better, step * 1.5, step * 0.5)
+            trace.append(current)
+        r = self.posterior(children, v, params)
+        explained = tf.einsum("bi,bij->bj", a, r) / (tf.reduce_sum(a, -1, keepdims=True) + _TINY)
+        result = RoutingResult(v, explained, r)
+        return (result, tf.stack(trace)) if return_trace else result
+
+    def call(self, children, activations=None):
+        return self.infer(children, activations)
+
+    # --- generation --------------------------------------------------------------------------
+
+    def generate(self, v, seed):
+        """Children `[B, I, D_c]` and their parents `s [B, I]` drawn given parents `v [B, J, D_p]`.
+
+        `seed`: a pair of integers (stateless draws).
+        """
+        v = tf.convert_to_tensor(v)
+        dtype = v.dtype
+        params = self._parameters(dtype)
+        seed = tf.convert_to_tensor(seed, tf.int32)
+        batch, num_in = tf.shape(v)[0], self.maps.shape[0]
+        logits = tf.broadcast_to(params["log_pi"], (batch, num_in, self.num_parents))
+        s = tf.random.stateless_categorical(tf.reshape(logits, (-1, self.num_parents)), 1, seed)[:, 0]
+        s = tf.reshape(tf.cast(s, tf.int32), (batch, num_in))
+        pick = lambda t: tf.gather(t, s, axis=2, batch_dims=2)
+        u = self.predictions(v)                                                     # [B, I, J, D_c]
+        u_s = pick(u)                                                               # [B, I, D_c]
+        u_len = tf.sqrt(tf.reduce_sum(tf.square(u_s), -1) + _TINY)
+        kappa = pick(tf.broadcast_to(params["kappa"], (batch, num_in, self.num_parents)))
+        sigma = pick(tf.broadcast_to(tf.exp(params["log_sigma"]), (batch, num_in, self.num_parents)))
+        flat = lambda t: tf.reshape(t, (-1, self.child_dim))
+        direction = vmf.sample_vmf(flat(u_s / u_len[..., None]), tf.reshape(kappa, (-1,)), seed + [0, 7])
+        length = u_len + sigma * tf.random.stateless_normal(tf.shape(u_len), seed + [0, 11], dtype=dtype)
+        children = tf.reshape(direction, (batch, num_in, self.child_dim)) * tf.abs(length)[..., None]
+        return children, s
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(num_parents=self.num_parents, parent_dim=self.parent_dim, child_dim=self.child_dim,
+                      em_iterations=self.em_iterations, pose_steps=self.pose_steps, kappa=self.kappa,
+                      sigma=self.sigma, seed=self.seed)
+        return config
