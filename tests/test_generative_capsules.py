@@ -1,0 +1,162 @@
+"""The vMF pieces against scipy, eq. 6 against NumPy, and the generative capsules' EM."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+from scipy import special, stats
+
+from poecaps import vmf
+from poecaps.models import GenerativeCapsules
+from poecaps.models.saving import load_component, save_component
+from poecaps.routing import TopDownAttention
+
+SETTINGS = [(d, kappa) for d in (3, 8, 16) for kappa in (0.1, 1.0, 10.0, 100.0)]
+
+
+@pytest.mark.parametrize("d, kappa", SETTINGS)
+def test_log_normaliser_matches_scipy(rng, d, kappa):
+    mu = rng.normal(size=d)
+    mu /= np.linalg.norm(mu)
+    x = rng.normal(size=(7, d))
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    reference = stats.vonmises_fisher(mu, kappa).logpdf(x)
+    got = vmf.vmf_log_prob(tf.constant(x), tf.constant(mu[None]), tf.constant(kappa, tf.float64)).numpy()
+    np.testing.assert_allclose(got, reference, atol=1e-5, rtol=0)
+    # float32 in, float32 out, the series still summed in float64
+    got32 = vmf.vmf_log_normalizer(tf.constant(kappa, tf.float32), d)
+    assert got32.dtype == tf.float32
+    np.testing.assert_allclose(float(got32), reference[0] - kappa * x[0] @ mu, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("d, kappa", SETTINGS)
+def test_samples_have_the_mean_resultant_length(rng, d, kappa):
+    """E[x] = A_d(kappa) mu, A_d = I_(d/2) / I_(d/2-1) (scipy's Bessel functions here): within 2 % of A, or
+    within 4 standard errors of 400,000 draws where 2 % of A is below their noise (small kappa, A ~ kappa/d)."""
+    n = 400_000
+    mu = rng.normal(size=d)
+    mu /= np.linalg.norm(mu)
+    x = vmf.sample_vmf(tf.constant(np.tile(mu, (n, 1))), tf.fill([n], tf.constant(kappa, tf.float64)), [3, 4])
+    x = x.numpy()
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1.0, atol=1e-12)
+    a = special.ive(d / 2, kappa) / special.ive(d / 2 - 1, kappa)
+    w = x @ mu
+    tolerance = max(0.02 * a, 4 * w.std() / np.sqrt(n))
+    assert abs(w.mean() - a) <= tolerance, (w.mean(), a)
+    # the rest of the direction is uniform around mu: the mean is A mu, nothing orthogonal to it
+    off = x.mean(0) - w.mean() * mu
+    assert np.linalg.norm(off) <= 6 * np.sqrt(max(1 - np.mean(w ** 2), 1e-12) / n)
+    np.testing.assert_allclose(float(vmf.mean_resultant_length(kappa, d)), a, rtol=1e-9)
+
+
+def numpy_top_down(children, predictions, iterations, beta, accumulate):
+    """Eq. 6 with loops: V_i(k) = softmax_j(beta V_i(k-1) . U_ij) U_i (logits summed over rounds if accumulate)."""
+    batch, num_in, num_out, _ = predictions.shape
+    v = children.copy()
+    logits = np.zeros((batch, num_in, num_out))
+    for _ in range(iterations):
+        new_v = np.zeros_like(v)
+        c = np.zeros((batch, num_in, num_out))
+        for b in range(batch):
+            for i in range(num_in):
+                step = beta * np.array([v[b, i] @ predictions[b, i, j] for j in range(num_out)])
+                logits[b, i] = logits[b, i] + step if accumulate else step
+                e = np.exp(logits[b, i] - logits[b, i].max())
+                c[b, i] = e / e.sum()
+                new_v[b, i] = sum(c[b, i, j] * predictions[b, i, j] for j in range(num_out))
+        v = new_v
+    return c, v
+
+
+@pytest.mark.parametrize("iterations, beta, accumulate", [(1, 1.0, False), (3, 1.0, False), (3, 2.5, True),
+                                                          (4, 0.3, True)])
+def test_top_down_attention_matches_numpy_eq6(rng, iterations, beta, accumulate):
+    children = rng.normal(size=(2, 5, 4))
+    predictions = rng.normal(size=(2, 5, 3, 4))
+    layer = TopDownAttention(iterations, beta, accumulate, dtype="float64")
+    c, v = layer(children, predictions)
+    np.testing.assert_allclose(float(layer.beta.numpy()), beta, rtol=1e-7)     # (set through float32)
+    c_ref, v_ref = numpy_top_down(children, predictions, iterations, float(layer.beta.numpy()), accumulate)
+    np.testing.assert_allclose(ops.convert_to_numpy(c), c_ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ops.convert_to_numpy(v), v_ref, rtol=1e-10, atol=1e-12)
+
+
+def _layer(seed=0, **kwargs):
+    layer = GenerativeCapsules(3, 4, 5, seed=seed, dtype="float64", **{"kappa": 20.0, "sigma": 0.2, **kwargs})
+    layer.build((None, 12, 5))
+    return layer
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_em_bound_never_decreases(rng, seed):
+    layer = _layer(seed, em_iterations=15)
+    layer.mix_logits.assign(rng.normal(size=(12, 3)))
+    children = rng.normal(size=(4, 12, 5))                 # not drawn from the model: the hard case
+    activations = rng.uniform(0.1, 1, size=(4, 12))
+    result, trace = layer.infer(children, activations, return_trace=True)
+    trace = trace.numpy()
+    assert trace.shape == (16, 4)
+    assert np.all(np.diff(trace, axis=0) >= -1e-9 * np.abs(trace[:-1]))
+    assert np.all(trace[-1] > trace[0])
+    np.testing.assert_allclose(result.coefficients.numpy().sum(-1), 1.0, rtol=1e-12)
+    # parent activations: the share of the (weighted) children each parent explains
+    share = np.einsum("bi,bij->bj", activations, result.coefficients.numpy()) / activations.sum(-1, keepdims=True)
+    np.testing.assert_allclose(result.activations.numpy(), share, rtol=1e-8)     # (a 1e-9 floor in the sum)
+
+
+def test_the_bound_at_the_posterior_is_the_marginal_log_joint(rng):
+    """With r the exact posterior, L(v, r) = log p(V, v) = sum_i log sum_j pi_ij p(V_i | j, v) + log N(v)."""
+    layer = _layer(1)
+    children, v = rng.normal(size=(2, 12, 5)), rng.normal(size=(2, 3, 4))
+    r = layer.posterior(tf.constant(children), tf.constant(v))
+    bound = layer.log_joint(tf.constant(children), tf.constant(v), r).numpy()
+    log_lik = layer.child_log_likelihoods(tf.constant(children), tf.constant(v)).numpy()
+    log_pi = tf.nn.log_softmax(layer.mix_logits).numpy()
+    marginal = (np.sum(np.log(np.sum(np.exp(log_pi + log_lik), -1)), -1)
+                + np.sum(stats.norm.logpdf(v), (1, 2)))
+    np.testing.assert_allclose(bound, marginal, rtol=1e-10)
+
+
+def test_child_likelihood_is_a_density_in_the_plane():
+    """d = 2: integrate p(V | s = j, v) over the plane numerically (polar grid) -> 1."""
+    layer = GenerativeCapsules(1, 2, 2, kappa=3.0, sigma=0.3, seed=0, dtype="float64")
+    layer.build((None, 1, 2))
+    v = tf.constant([[[0.8, -0.4]]], tf.float64)
+    radii = np.linspace(1e-4, 4, 1500)
+    angles = np.linspace(0, 2 * np.pi, 720, endpoint=False)
+    rr, aa = np.meshgrid(radii, angles, indexing="ij")
+    points = np.stack([rr * np.cos(aa), rr * np.sin(aa)], -1).reshape(-1, 1, 2)
+    density = np.exp(layer.child_log_likelihoods(tf.constant(points), tf.repeat(v, len(points), 0)).numpy()[:, 0, 0])
+    integral = np.sum(density.reshape(rr.shape) * rr) * (radii[1] - radii[0]) * (angles[1] - angles[0])
+    assert abs(integral - 1.0) < 2e-3
+
+
+def test_config_round_trip_and_save_reload(tmp_path, rng):
+    layer = GenerativeCapsules(4, 3, 6, em_iterations=7, pose_steps=2, kappa=5.0, sigma=0.3, seed=11)
+    children = rng.normal(size=(2, 9, 6)).astype("float32")
+    before = layer(children)
+    clone = GenerativeCapsules.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+    model = keras.Sequential([keras.Input((9, 6)), layer])
+    path = os.path.join(tmp_path, "generative.keras")
+    save_component(model, path)
+    again = load_component(path)
+    after = again.layers[0](children)
+    for a, b in zip(before, after):
+        np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-6, atol=1e-6)
+    attention = TopDownAttention(2, 0.5, True, trainable_beta=True)
+    assert TopDownAttention.from_config(attention.get_config()).get_config() == attention.get_config()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="Received: child_dim=1"):
+        GenerativeCapsules(2, 3, 1)
+    with pytest.raises(ValueError, match="Received: kappa=0"):
+        GenerativeCapsules(2, 3, 4, kappa=0)
+    with pytest.raises(ValueError, match="Received: d=1"):
+        vmf.vmf_log_normalizer(1.0, 1)
+    with pytest.raises(ValueError, match="Received: beta=0"):
+        TopDownAttention(beta=0)
