@@ -54,8 +54,8 @@ class TiledSimilarity(keras.layers.Layer):
     def __init__(self, num_out, num_kernels):
         super().__init__()
         per_parent = lambda value: self.add_weight(shape=(num_out,), initializer=keras.initializers.Constant(value))
-        self.alpha, self.beta = per_parent(12.0), per_parent(1.0)
-        self.theta1, self.theta2, self.theta3 = per_parent(0.1), per_parent(1.0), per_parent(0.1)
+        self.alpha, self.beta = per_parent(1.0), per_parent(1.0)
+        self.theta1, self.theta2, self.theta3 = per_parent(1.0), per_parent(1.0), per_parent(0.1)
         widths = np.geomspace(0.25, 2.0, num_kernels)
         self.widths = self.add_weight(shape=(num_kernels,), initializer=keras.initializers.Constant(
             widths + np.log(-np.expm1(-widths))))
