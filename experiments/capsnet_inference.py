@@ -29,10 +29,11 @@ from poecaps.models.saving import load_component
 SHORT = 0.02
 
 
-def _batched_infer(model, images, labels, batch_size, **settings):
+def batched_infer(model, images, labels, batch_size, **settings):
+    """`inference.infer` over `images` in batches: lengths `[N, K]` and energies `[steps + 1, N]` of all of them."""
     parts = [inference.infer(model, images[s:s + batch_size], None if labels is None else labels[s:s + batch_size],
                              **settings) for s in range(0, len(images), batch_size)]
-    return {key: np.concatenate([np.asarray(p[key]) for p in parts], axis=-2 if key == "energy" else 0)
+    return {key: np.concatenate([np.asarray(p[key]) for p in parts], axis=-1 if key == "energy" else 0)
             for key in ("lengths", "initial_lengths", "energy")}
 
 
@@ -58,7 +59,7 @@ def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1=1.0, bat
     for name, weight, clamp in (("free", 0.0, False), ("free_l1", l1, False), ("clamped", 0.0, True),
                                 ("clamped_l1", l1, True)):
         start = time.perf_counter()
-        runs[name] = _batched_infer(model, images, labels if clamp else None, batch_size, l1=weight, **settings)
+        runs[name] = batched_infer(model, images, labels if clamp else None, batch_size, l1=weight, **settings)
         seconds[name] = time.perf_counter() - start
         print(f"[inference] {name}: {seconds[name]:.1f} s", flush=True)
     feed_forward = runs["free"]["initial_lengths"]

@@ -54,7 +54,7 @@ def _baseline(argv=None):
                    "baseline", "sabour2017",
                    run_dir_default=os.path.join("runs", "baseline"))
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
-    shortcuts = ("model", "routing", "seed", "dataset", "data_dir", "limit", "epochs")
+    shortcuts = ("model", "seed", "dataset", "data_dir", "limit", "epochs")
     cli.add_shortcuts(p, "baseline", shortcuts)
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
     p.add_argument("--test-limit", default=None, metavar="N", help="evaluate on only this many test images")

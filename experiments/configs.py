@@ -126,7 +126,7 @@ class BaselineConfig(DataOptions):
     """Every setting of a supervised baseline run; the defaults are the `sabour2017` preset."""
 
     model: str = setting("capsnet", "capsnet (dynamic routing), em (matrix capsules) or routingnet (Faria's "
-                         "Table 1 network, any --routing)", choices=MODELS)
+                         "Table 1 network, any routing)", choices=MODELS)
     routing: str | None = setting(None, "the router (default: the model's own, dynamic for capsnet and em for "
                                   "em; routingnet takes any and needs one)", kind=str, choices=ROUTINGS)
     loss: str = setting("cross_entropy", "routingnet's loss: cross_entropy (activations as logits), spread or "

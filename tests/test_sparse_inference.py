@@ -159,3 +159,18 @@ def test_whole_network_inference_lowers_the_energy_and_obeys_a_clamped_label(rng
     energy = ops.convert_to_numpy(clamped["energy"])
     assert np.all(energy[-1] < energy[0])
     assert np.all(np.argmax(ops.convert_to_numpy(clamped["lengths"]), -1) == labels)
+
+
+def test_inference_in_batches_keeps_every_example_on_its_own_column(rng):
+    """Energies are `[steps + 1, N]` whichever the batch size: batches join along the examples, not the steps."""
+    from poecaps.experiments.capsnet_inference import batched_infer
+
+    model = _tiny_capsnet()
+    images = rng.uniform(size=(7, 12, 12, 1)).astype("float32")
+    whole = batched_infer(model, images, None, 7, steps=20, l1=0.5)
+    split = batched_infer(model, images, None, 3, steps=20, l1=0.5)
+    assert whole["energy"].shape == split["energy"].shape == (21, 7)
+    assert split["lengths"].shape == (7, 3)
+    # float32 through two conv layers and 20 steps: a few ulps of each energy (~1) per step
+    np.testing.assert_allclose(split["energy"], whole["energy"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(split["lengths"], whole["lengths"], rtol=1e-4, atol=1e-5)
