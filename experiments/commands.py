@@ -146,6 +146,27 @@ def _sparse_inference(argv=None):
     print(json.dumps(infer_run(args.run_dir, args.examples, args.steps, l1=args.l1), indent=2))
 
 
+def _generative_capsules(argv=None):
+    p = cli.parser("Learn a generative capsule layer (Kiefer et al., section 4) on the frozen primary capsules of a "
+                   "trained CapsNet run; writes RUN/generative/generative.json and samples.png.", run_dir_default=None)
+    p.add_argument("--parents", type=int, default=10, help="parent capsules J")
+    p.add_argument("--parent-dim", type=int, default=16, help="pose size of a parent")
+    p.add_argument("--epochs", type=int, default=2, help="epochs of generalised EM")
+    p.add_argument("--seed", type=int, default=0, help="seeds the initial G, the batch order and the samples")
+    args = p.parse_args(argv)
+    if not args.run_dir:
+        p.error("--run-dir (a CapsNet baseline run) is required")
+    for name in ("parents", "parent_dim", "epochs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0. Received: {args.seed}")
+    from poecaps.experiments.generative_capsules import train_generative  # TensorFlow: after --help
+
+    print(json.dumps(train_generative(args.run_dir, args.parents, args.parent_dim, args.epochs, seed=args.seed),
+                     indent=2))
+
+
 def train_layerwise(argv=None):
     return cli.run_main(_train_layerwise, argv)
 
@@ -172,3 +193,7 @@ def toy_routing(argv=None):
 
 def sparse_inference(argv=None):
     return cli.run_main(_sparse_inference, argv)
+
+
+def generative_capsules(argv=None):
+    return cli.run_main(_generative_capsules, argv)

@@ -1,0 +1,67 @@
+"""Trainer of a generative capsule layer: generalised EM on its bound."""
+
+import keras
+import tensorflow as tf
+
+
+class GenerativeCapsuleTrainer(keras.Model):
+    """Learns `GenerativeCapsules`' G, kappa, sigma and mixing weights by generalised EM (Kiefer et al., spec).
+
+    `train_step` infers the parents of a batch of children (`layer.infer`
+    with `iterations` EM iterations, no gradient through it: the E- and
+    M-steps of the parents), then takes one optimizer step on the layer's
+    weights that raises the bound `layer.log_joint` at those (v, r): the M-step
+    of the parameters. Metrics: `bound_per_child` (the bound over the batch's
+    children) and `coefficient_entropy` (of r over the parents, over log J).
+
+    Args:
+        layer: a `poecaps.models.GenerativeCapsules`.
+        iterations: EM iterations of the inference in each training step.
+
+    Call arguments:
+        children: `[B, I, D_c]`; returns `layer.infer(children)`.
+    """
+
+    def __init__(self, layer, iterations=10, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(iterations, int) or iterations < 1:
+            raise ValueError(f"iterations must be an integer >= 1. Received: iterations={iterations!r}")
+        self.layer = layer
+        self.iterations = iterations
+        self.bound_tracker = keras.metrics.Mean(name="bound_per_child")
+        self.entropy_tracker = keras.metrics.Mean(name="coefficient_entropy")
+
+    @property
+    def metrics(self):
+        return [self.bound_tracker, self.entropy_tracker]
+
+    def call(self, children, training=None):
+        return self.layer.infer(children)
+
+    def _statistics(self, children, v, r):
+        bound = self.layer.log_joint(children, v, r)
+        per_child = tf.reduce_mean(bound) / children.shape[1]
+        entropy = -tf.reduce_mean(tf.reduce_sum(r * tf.math.log(r + 1e-30), -1)) / tf.math.log(
+            tf.cast(self.layer.num_parents, r.dtype))
+        return per_child, entropy
+
+    def train_step(self, data):
+        children = data[0] if isinstance(data, tuple) else data
+        found = self.layer.infer(children, iterations=self.iterations)
+        v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
+        with tf.GradientTape() as tape:
+            per_child, entropy = self._statistics(children, v, r)
+            loss = -per_child
+        weights = self.layer.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        self.bound_tracker.update_state(per_child)
+        self.entropy_tracker.update_state(entropy)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        children = data[0] if isinstance(data, tuple) else data
+        found = self.layer.infer(children)
+        per_child, entropy = self._statistics(children, found.poses, found.coefficients)
+        self.bound_tracker.update_state(per_child)
+        self.entropy_tracker.update_state(entropy)
+        return {m.name: m.result() for m in self.metrics}
