@@ -18,13 +18,10 @@ import time
 import numpy as np
 
 from poecaps import inference
-from poecaps.errors import InputError
 from poecaps.experiments import figures
-from poecaps.experiments.configs import BaselineConfig
-from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.experiments.runs import load_images
+from poecaps.experiments.trained import load_capsnet
 from poecaps.metrics import hoyer_sparsity
-from poecaps.models import CapsNet
-from poecaps.models.saving import load_component
 
 SHORT = 0.02
 
@@ -39,15 +36,7 @@ def batched_infer(model, images, labels, batch_size, **settings):
 
 def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1=1.0, batch_size=250, shown=4):
     """Run the four inferences on the first `examples` test digits; write and return `inference.json`."""
-    run = RunDir(run_dir, create=False)
-    config = read_settings(run, BaselineConfig)
-    path = os.path.join(run.models, "model.keras")
-    if config.model != "capsnet" or not os.path.exists(path):
-        raise InputError(f"{run_dir} holds no trained CapsNet (model {config.model}); train one with "
-                         "scripts/baseline.py --preset sabour2017 --set routing_iterations=0.")
-    model = load_component(path)
-    if not isinstance(model, CapsNet):
-        raise InputError(f"{path} is not a CapsNet.")
+    run, config, model = load_capsnet(run_dir)
     images, labels, _ = load_images(config, "test")
     # The test split may be ordered by class (mnist-5k's is): take an even spread of it.
     pick = np.linspace(0, len(images) - 1, min(examples, len(images))).round().astype(int)

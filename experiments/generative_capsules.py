@@ -20,12 +20,11 @@ import numpy as np
 import tensorflow as tf
 
 from poecaps import metrics
-from poecaps.errors import InputError
 from poecaps.experiments import figures
-from poecaps.experiments.configs import BaselineConfig
-from poecaps.experiments.runs import RunDir, load_images, read_settings
-from poecaps.models import CapsNet, GenerativeCapsules
-from poecaps.models.saving import load_component, save_component
+from poecaps.experiments.runs import load_images
+from poecaps.experiments.trained import load_capsnet
+from poecaps.models import GenerativeCapsules
+from poecaps.models.saving import save_component
 from poecaps.trainers.generative import GenerativeCapsuleTrainer
 
 
@@ -100,15 +99,7 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
     is followed on `heldout` test images; the linear probes train on `probe_train` training images and
     test on the whole test split; the decoder of the figure learns on the same `probe_train` images.
     """
-    run = RunDir(run_dir, create=False)
-    config = read_settings(run, BaselineConfig)
-    path = os.path.join(run.models, "model.keras")
-    if config.model != "capsnet" or not os.path.exists(path):
-        raise InputError(f"{run_dir} holds no trained CapsNet (model {config.model}); train one with "
-                         "scripts/baseline.py --preset sabour2017 --set routing_iterations=0.")
-    model = load_component(path)
-    if not isinstance(model, CapsNet):
-        raise InputError(f"{path} is not a CapsNet.")
+    run, config, model = load_capsnet(run_dir)
     keras.utils.set_random_seed(seed)
     train, train_labels, _ = load_images(config, "train")
     test, test_labels, _ = load_images(config, "test")

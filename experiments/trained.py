@@ -7,7 +7,10 @@ import sys
 import numpy as np
 
 from poecaps.errors import InputError
+from poecaps.experiments.configs import BaselineConfig
+from poecaps.experiments.runs import RunDir, read_settings
 from poecaps.graphs import batched
+from poecaps.models import CapsNet
 from poecaps.models.capsule_pipeline import CapsulePipeline
 from poecaps.models.saving import load_component
 
@@ -20,6 +23,20 @@ def load_pipeline(run, config):
         raise InputError(f"{run.path} has no trained {' or '.join(missing)}; train the "
                          f"{', '.join(repr(m) for m in missing)} stage{'s' if len(missing) > 1 else ''} first.")
     return pipeline
+
+
+def load_capsnet(run_dir):
+    """`(RunDir, settings, CapsNet)` of a CapsNet baseline run; an `InputError` if it holds none."""
+    run = RunDir(run_dir, create=False)
+    config = read_settings(run, BaselineConfig)
+    path = os.path.join(run.models, "model.keras")
+    if config.model != "capsnet" or not os.path.exists(path):
+        raise InputError(f"{run_dir} holds no trained CapsNet (model {config.model}); train one with "
+                         "scripts/baseline.py --preset sabour2017 --set routing_iterations=0.")
+    model = load_component(path)
+    if not isinstance(model, CapsNet):
+        raise InputError(f"{path} is not a CapsNet.")
+    return run, config, model
 
 
 def load_rbm(run):
