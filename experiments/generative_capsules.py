@@ -34,40 +34,40 @@ def primary_capsules(model, images, batch_size=250):
     return np.concatenate([step(images[s:s + batch_size]).numpy() for s in range(0, len(images), batch_size)])
 
 
-def _infer_all(layer, children, batch_size, iterations):
-    """`[poses, activations, coefficients, bound]` of `layer.infer` over `children`, in batches of one shape.
+class _Inversion:
+    """A layer's inference over many child sets, compiled once: one XLA computation for every batch.
 
-    One XLA computation for every batch: the last batch is padded with copies of its first child set and
-    the padding dropped.
+    The last batch is padded with copies of its first child set and the padding dropped.
     """
-    def infer(x):
-        found = layer.infer(x, iterations=iterations)
-        return (*found, layer.log_joint(x, found.poses, found.coefficients))
 
-    step = tf.function(infer, jit_compile=True)
-    parts = []
-    for s in range(0, len(children), batch_size):
-        batch = children[s:s + batch_size]
-        padded = np.concatenate([batch, np.repeat(batch[:1], batch_size - len(batch), 0)])
-        parts.append([p.numpy()[:len(batch)] for p in step(tf.constant(padded))])
-    return [np.concatenate([p[k] for p in parts]) for k in range(4)]
+    def __init__(self, layer, batch_size, iterations):
+        def infer(x):
+            found = layer.infer(x, iterations=iterations)
+            return found.poses, found.coefficients, layer.log_joint(x, found.poses, found.coefficients)
 
+        self.layer, self.batch_size = layer, batch_size
+        self.step = tf.function(infer, jit_compile=True)
 
-def _held_out(layer, children, batch_size, iterations):
-    """`(bound per child, coefficient entropy over log J, parents [N, J, D])` on `children`."""
-    poses, _, coefficients, bound = _infer_all(layer, children, batch_size, iterations)
-    entropy = float(np.mean(-np.sum(coefficients * np.log(coefficients + 1e-30), -1)) / math.log(layer.num_parents))
-    return float(np.mean(bound) / children.shape[1]), entropy, poses
+    def __call__(self, children):
+        """`(bound per child, coefficient entropy over log J, parents [N, J, D])` on `children`."""
+        parts = []
+        for s in range(0, len(children), self.batch_size):
+            batch = children[s:s + self.batch_size]
+            padded = np.concatenate([batch, np.repeat(batch[:1], self.batch_size - len(batch), 0)])
+            parts.append([p.numpy()[:len(batch)] for p in self.step(tf.constant(padded))])
+        poses, coefficients, bound = (np.concatenate([p[k] for p in parts]) for k in range(3))
+        entropy = -np.sum(coefficients * np.log(coefficients + 1e-30), -1)
+        return (float(np.mean(bound) / children.shape[1]),
+                float(np.mean(entropy)) / math.log(self.layer.num_parents), poses)
 
 
 class _HeldOut(keras.callbacks.Callback):
-    def __init__(self, layer, children, batch_size, iterations, record):
+    def __init__(self, inversion, children, record):
         super().__init__()
-        self.layer, self.children, self.batch_size, self.record = layer, children, batch_size, record
-        self.iterations = iterations
+        self.inversion, self.children, self.record = inversion, children, record
 
     def on_epoch_end(self, epoch, logs=None):
-        bound, entropy, _ = _held_out(self.layer, self.children, self.batch_size, self.iterations)
+        bound, entropy, _ = self.inversion(self.children)
         self.record.append({"epoch": epoch + 1, "heldout_bound_per_child": bound, "coefficient_entropy": entropy,
                             "train_bound_per_child": float((logs or {}).get("bound_per_child", float("nan")))})
         print(f"[generative] epoch {epoch + 1}: held-out bound per child {bound:.4f}, "
@@ -116,7 +116,8 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
     initial.build(x_train.shape)
     initial.set_weights(layer.get_weights())
     record = []
-    bound0, entropy0, _ = _held_out(layer, x_test[pick], batch_size, iterations)
+    invert, invert_initial = _Inversion(layer, batch_size, iterations), _Inversion(initial, batch_size, iterations)
+    bound0, entropy0, _ = invert(x_test[pick])
     record.append({"epoch": 0, "heldout_bound_per_child": bound0, "coefficient_entropy": entropy0})
     print(f"[generative] at initialisation: held-out bound per child {bound0:.4f}, "
           f"coefficient entropy / log J {entropy0:.3f}", flush=True)
@@ -124,14 +125,13 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
     trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=True)
     usable = len(x_train) - len(x_train) % batch_size        # whole batches: one XLA computation
     trainer.fit(x_train[:usable], batch_size=batch_size, epochs=epochs, shuffle=True, verbose=2,
-                callbacks=[_HeldOut(layer, x_test[pick], batch_size, iterations, record)])
+                callbacks=[_HeldOut(invert, x_test[pick], record)])
     train_seconds = time.perf_counter() - start
-    _, entropy, test_parents = _held_out(layer, x_test, batch_size, iterations)
-    train_parents = _held_out(layer, x_train[few], batch_size, iterations)[2]
+    _, entropy, test_parents = invert(x_test)
+    train_parents = invert(x_train[few])[2]
     probe = lambda a, b: metrics.linear_probe(a.reshape(len(a), -1), train_labels[few], b.reshape(len(b), -1),
                                               test_labels)
-    random_train = _held_out(initial, x_train[few], batch_size, iterations)[2]
-    random_test = _held_out(initial, x_test, batch_size, iterations)[2]
+    random_train, random_test = invert_initial(x_train[few])[2], invert_initial(x_test)[2]
     result = {
         "run": run_dir, "parents": parents, "parent_dim": parent_dim, "children": list(x_train.shape[1:]),
         "epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
