@@ -10,6 +10,12 @@ Figures, for the unclamped runs: mean energy at the start and after the
 last step; Hoyer sparsity of the class-capsule lengths with and without L1;
 the share of non-target class capsules shorter than 0.02; accuracy of the
 longest class capsule after inference against the feed-forward pass.
+
+The L1 weight that suits a network depends on how long its class capsules
+are. `l1="auto"` (the script's default) calibrates it on training digits,
+never on the test digits it reports: of `L1_GRID`, largest first, the
+first weight whose unclamped inference reads those digits at least as
+accurately as the feed-forward pass (`calibrate_l1`).
 """
 
 import os
@@ -24,6 +30,8 @@ from poecaps.experiments.trained import load_capsnet
 from poecaps.metrics import hoyer_sparsity
 
 SHORT = 0.02
+# Candidate L1 weights of `calibrate_l1`, largest first.
+L1_GRID = (1.0, 0.7, 0.5, 0.3, 0.2, 0.1)
 
 
 def batched_infer(model, images, labels, batch_size, **settings):
@@ -34,16 +42,65 @@ def batched_infer(model, images, labels, batch_size, **settings):
             for key in ("lengths", "initial_lengths", "energy")}
 
 
-def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1=1.0, batch_size=250, shown=4):
-    """Run the four inferences on the first `examples` test digits; write and return `inference.json`."""
-    run, config, model = load_capsnet(run_dir)
-    images, labels, _ = load_images(config, "test")
-    # The test split may be ordered by class (mnist-5k's is): take an even spread of it.
+def even_spread(images, labels, examples):
+    """`examples` of `images` at evenly spaced indices (a split may be ordered by class: mnist-5k's test is)."""
     pick = np.linspace(0, len(images) - 1, min(examples, len(images))).round().astype(int)
-    images, labels = images[pick], labels[pick]
+    return images[pick], labels[pick]
+
+
+def largest_harmless_weight(accuracies, feed_forward):
+    """Of `accuracies` (L1 weight -> accuracy, in the order tried), the first weight not below `feed_forward`.
+
+    None when every weight costs accuracy.
+    """
+    return next((weight for weight, accuracy in accuracies.items() if accuracy >= feed_forward), None)
+
+
+def calibrate_l1(model, images, labels, grid=L1_GRID, batch_size=250, **settings):
+    """The largest L1 weight of `grid` whose unclamped inference is as accurate as the feed-forward pass.
+
+    Tries the weights in `grid`'s order (largest first) on `images`
+    (training digits) and stops at the first whose longest capsule after
+    inference is right at least as often as the feed-forward pass's; the
+    smallest weight of the grid when none is.
+
+    Returns:
+        `(weight, record)`, `record` holding the digits' feed-forward
+        accuracy and each tried weight's accuracy.
+    """
+    accuracies, feed_forward = {}, None
+    for weight in grid:
+        found = batched_infer(model, images, None, batch_size, l1=weight, **settings)
+        if feed_forward is None:
+            feed_forward = float(np.mean(np.argmax(found["initial_lengths"], -1) == labels))
+        accuracies[weight] = float(np.mean(np.argmax(found["lengths"], -1) == labels))
+        print(f"[calibration] L1 {weight}: {accuracies[weight]:.3f} (feed-forward {feed_forward:.3f})", flush=True)
+        chosen = largest_harmless_weight(accuracies, feed_forward)
+        if chosen is not None:
+            break
+    chosen = min(grid) if chosen is None else chosen
+    return chosen, {"examples": len(images), "split": "train", "feed_forward_accuracy": feed_forward,
+                    "accuracy_by_l1": {str(w): a for w, a in accuracies.items()}, "l1": chosen}
+
+
+def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1="auto", batch_size=250, shown=4):
+    """Run the four inferences on the first `examples` test digits; write and return `inference.json`.
+
+    `l1` is the L1 weight, or `"auto"` to choose it by `calibrate_l1` on
+    `examples` training digits first.
+    """
+    run, config, model = load_capsnet(run_dir)
+    settings = {"steps": steps, "learning_rate": learning_rate}
+    calibration, calibration_seconds = None, 0.0
+    if l1 == "auto":
+        start = time.perf_counter()
+        train_images, train_labels, _ = load_images(config, "train")
+        l1, calibration = calibrate_l1(model, *even_spread(train_images, train_labels, examples),
+                                       batch_size=batch_size, **settings)
+        calibration_seconds = time.perf_counter() - start
+    images, labels = even_spread(*load_images(config, "test")[:2], examples)
     out = os.path.join(run_dir, "inference")
     os.makedirs(out, exist_ok=True)
-    settings = {"steps": steps, "learning_rate": learning_rate}
     runs, seconds = {}, {}
     for name, weight, clamp in (("free", 0.0, False), ("free_l1", l1, False), ("clamped", 0.0, True),
                                 ("clamped_l1", l1, True)):
@@ -58,7 +115,8 @@ def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1=1.0, bat
     result = {
         "run": run_dir, "examples": len(images), "steps": steps, "learning_rate": learning_rate, "l1": l1,
         "feed_forward_accuracy": accuracy(feed_forward),
-        "seconds": seconds, "seconds_total": sum(seconds.values()),
+        "calibration": calibration, "calibration_seconds": calibration_seconds,
+        "seconds": seconds, "seconds_total": sum(seconds.values()) + calibration_seconds,
     }
     for name, found in runs.items():
         energy = found["energy"].mean(axis=-1)

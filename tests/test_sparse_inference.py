@@ -174,3 +174,27 @@ def test_inference_in_batches_keeps_every_example_on_its_own_column(rng):
     # float32 through two conv layers and 20 steps: a few ulps of each energy (~1) per step
     np.testing.assert_allclose(split["energy"], whole["energy"], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(split["lengths"], whole["lengths"], rtol=1e-4, atol=1e-5)
+
+
+def test_the_largest_harmless_weight_is_the_first_in_order_not_below_the_feed_forward_pass():
+    from poecaps.experiments.capsnet_inference import largest_harmless_weight
+
+    assert largest_harmless_weight({1.0: 0.90, 0.7: 0.95, 0.5: 0.96, 0.3: 0.97}, 0.96) == 0.5
+    assert largest_harmless_weight({1.0: 0.90, 0.5: 0.95}, 0.96) is None
+    assert largest_harmless_weight({}, 0.96) is None
+
+
+def test_calibration_stops_at_the_first_weight_that_keeps_the_feed_forward_answers(rng):
+    """Labels are the feed-forward answers: L1 0 keeps them all (the start is a minimum), a huge L1 zeroes every
+    capsule so the argmax falls on class 0."""
+    from poecaps.experiments.capsnet_inference import calibrate_l1
+
+    model = _tiny_capsnet()
+    images = rng.uniform(size=(8, 12, 12, 1)).astype("float32")
+    answers = np.argmax(ops.convert_to_numpy(inference.infer(model, images, steps=1, l1=0.0)["initial_lengths"]), -1)
+    assert np.any(answers != 0), "a draw whose answers are all class 0 could not tell the weights apart"
+    weight, record = calibrate_l1(model, images, answers, grid=(100.0, 0.0), batch_size=4, steps=20)
+    assert weight == 0.0 and record["feed_forward_accuracy"] == 1.0
+    assert record["accuracy_by_l1"]["100.0"] < 1.0 and record["accuracy_by_l1"]["0.0"] == 1.0
+    weight, record = calibrate_l1(model, images, answers, grid=(0.0, 100.0), batch_size=4, steps=20)
+    assert weight == 0.0 and list(record["accuracy_by_l1"]) == ["0.0"]
