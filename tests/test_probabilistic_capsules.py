@@ -1,0 +1,229 @@
+"""The probabilistic capsule model (Smith et al.): binary Concrete, compositing, the exact parent marginal."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import scipy.integrate
+import scipy.special
+import scipy.stats
+import tensorflow as tf
+
+from poecaps import compositing, concrete
+from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
+
+
+@pytest.mark.parametrize("logit", [-2.0, 0.0, 1.5])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_binary_concrete_density_integrates_to_one(logit, temperature):
+    density = lambda y: float(np.exp(concrete.log_prob(tf.constant(y, tf.float64), logit, temperature)))
+    total, error = scipy.integrate.quad(density, 0.0, 1.0, points=[0.5], limit=200, epsabs=1e-10, epsrel=1e-10)
+    assert error < 1e-8
+    assert abs(total - 1.0) < 1e-6
+
+
+def test_binary_concrete_matches_maddisons_density_and_its_draws():
+    """The log density against the paper's formula in NumPy; draws: P(y > 1/2) = sigmoid(logit)."""
+    y = np.linspace(0.01, 0.99, 41)
+    for logit, lam in ((0.7, 1.0), (-1.2, 0.5)):
+        alpha = math.exp(logit)
+        reference = (lam * alpha * y ** (-lam - 1) * (1 - y) ** (-lam - 1)
+                     / (alpha * y ** (-lam) + (1 - y) ** (-lam)) ** 2)
+        np.testing.assert_allclose(np.exp(concrete.log_prob(tf.constant(y), logit, lam)), reference, rtol=1e-12)
+        draws = concrete.sample(tf.fill([200_000], tf.constant(logit, tf.float64)), lam, seed=tf.constant([1, 2]))
+        share = float(tf.reduce_mean(tf.cast(draws > 0.5, tf.float64)))
+        # binomial standard error at n = 200,000 is at most 0.0011: 5 of them
+        assert abs(share - scipy.special.expit(logit)) < 0.0056
+
+
+def test_over_and_composite_of_two_layers_by_hand():
+    # front: C 0.8, alpha 0.5; back: C 0.4, alpha 0.6
+    # a_o = 0.5 + 0.6 * 0.5 = 0.8; C_o = (0.8 * 0.5 + 0.4 * 0.6 * 0.5) / 0.8 = 0.52 / 0.8 = 0.65
+    color, alpha = compositing.over(tf.constant([0.8]), tf.constant([0.5]), tf.constant([0.4]), tf.constant([0.6]))
+    np.testing.assert_allclose([float(color[0]), float(alpha[0])], [0.65, 0.8], rtol=1e-6)
+    colors = tf.constant([0.8, 0.4], shape=[1, 2, 1, 1, 1])
+    alphas = tf.constant([0.5, 0.6], shape=[1, 2, 1, 1, 1])
+    np.testing.assert_allclose(compositing.composite(colors, alphas).numpy().ravel(), [0.52], rtol=1e-6)
+    # the back layer in front: a_o the same, image 0.4 * 0.6 + 0.8 * 0.5 * 0.4 = 0.4
+    swapped = compositing.composite(tf.reverse(colors, [1]), tf.reverse(alphas, [1]))
+    np.testing.assert_allclose(swapped.numpy().ravel(), [0.4], rtol=1e-6)
+
+
+def _numpy_warp(template, pose, size):
+    """Bilinear inverse warp in NumPy: image point x reads the template at P^-1 x, zero outside."""
+    h, w = template.shape
+    matrix = np.vstack([np.reshape(pose, (2, 3)), [0.0, 0.0, 1.0]])
+    inverse = np.linalg.inv(matrix)
+    out = np.zeros(size)
+    for r in range(size[0]):
+        for c in range(size[1]):
+            x, y = 2 * (c + 0.5) / size[1] - 1, 2 * (r + 0.5) / size[0] - 1
+            u, v, _ = inverse @ [x, y, 1.0]
+            col, row = (u + 1) * w / 2 - 0.5, (v + 1) * h / 2 - 0.5
+            total = 0.0
+            for rr in (math.floor(row), math.floor(row) + 1):
+                for cc in (math.floor(col), math.floor(col) + 1):
+                    if 0 <= rr < h and 0 <= cc < w:
+                        total += (1 - abs(row - rr)) * (1 - abs(col - cc)) * template[rr, cc]
+            out[r, c] = total
+    return out
+
+
+def test_warp_matches_a_numpy_bilinear_warp_and_the_identity_copies(rng):
+    templates = rng.uniform(size=(2, 6, 6, 1))
+    identity = np.array([1.0, 0, 0, 0, 1.0, 0])
+    same = compositing.warp(tf.constant(templates), tf.constant([[identity, identity]]), (6, 6))
+    np.testing.assert_allclose(same.numpy()[0], templates, atol=1e-12)
+    shift = np.array([1.0, 0, 2 * 2 / 6, 0, 1.0, 0])           # two pixels to the right
+    moved = compositing.warp(tf.constant(templates), tf.constant([[shift, shift]]), (6, 6)).numpy()[0, 0, ..., 0]
+    np.testing.assert_allclose(moved[:, 2:], templates[0, :, :4, 0], atol=1e-12)
+    np.testing.assert_allclose(moved[:, :2], 0.0, atol=1e-12)
+    poses = np.stack([identity + rng.normal(0, 0.3, 6), identity * 0.5 + rng.normal(0, 0.2, 6)])
+    warped = compositing.warp(tf.constant(templates), tf.constant(poses[None]), (9, 11)).numpy()[0]
+    for k in range(2):
+        np.testing.assert_allclose(warped[k, ..., 0], _numpy_warp(templates[k, ..., 0], poses[k], (9, 11)),
+                                   atol=1e-10)
+
+
+def _model_and_state(seed=0, batch=2):
+    model = ProbabilisticCapsules(image_size=(16, 16), num_top=3, num_parts=4, template_size=6, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    # every weight away from its symmetric start, so that a wrong index cannot hide
+    for weight in model.trainable_weights:
+        weight.assign(weight.numpy() + rng.normal(0, 0.3, weight.shape).astype("float32"))
+    top_presence = rng.uniform(0.2, 0.9, (batch, 3)).astype("float32")
+    top_pose = rng.normal(0, 0.3, (batch, 3, 6)).astype("float32")
+    part_presence = rng.uniform(0.1, 0.9, (batch, 4)).astype("float32")
+    part_pose = rng.normal(0, 0.3, (batch, 4, 6)).astype("float32")
+    return model, [tf.constant(x) for x in (top_presence, top_pose, part_presence, part_pose)]
+
+
+def _numpy_part_terms(model, top_presence, top_pose, part_presence, part_pose):
+    """pi [B, N, K + 1] and f [B, N, K + 1] from the model's weights, in NumPy and SciPy."""
+    softplus = lambda x: np.log1p(np.exp(x))
+    rho = np.vstack([np.full((1, model.num_parts), model.rho_dummy), softplus(model.binding_raw.numpy())])
+    on = np.concatenate([np.ones((top_presence.shape[0], 1)), top_presence], axis=1)
+    weights = rho[None] * on[:, :, None]                                           # [B, K + 1, N]
+    pi = np.transpose(weights / weights.sum(1, keepdims=True), (0, 2, 1))
+    gamma_logit = model.presence_logits.numpy().T                                  # [N, K + 1]
+    spreads = np.hstack([np.full((model.num_parts, 1), model.c_dummy),
+                         model.c_min + softplus(model.spread_raw.numpy()).T])
+    homog = lambda p: np.vstack([np.reshape(p, (2, 3)), [0, 0, 1]])
+    eye = np.array([1.0, 0, 0, 0, 1.0, 0])
+    b_count, n_count, k_count = part_presence.shape[0], model.num_parts, model.num_top
+    f = np.zeros((b_count, n_count, k_count + 1))
+    for b in range(b_count):
+        for j in range(n_count):
+            t = part_presence[b, j]
+            for i in range(k_count + 1):
+                alpha, lam = math.exp(gamma_logit[j, i]), model.temperature
+                presence = (lam * alpha * t ** (-lam - 1) * (1 - t) ** (-lam - 1)
+                            / (alpha * t ** (-lam) + (1 - t) ** (-lam)) ** 2)
+                mean = eye if i == 0 else (homog(top_pose[b, i - 1] + eye) @ homog(model.offsets.numpy()[i - 1, j]))[:2].ravel()
+                on_pose = scipy.stats.multivariate_normal.pdf(part_pose[b, j] + eye, mean, spreads[j, i] ** 2)
+                off_pose = scipy.stats.multivariate_normal.pdf(part_pose[b, j], np.zeros(6), model.lambda_off ** 2)
+                f[b, j, i] = presence * (t * on_pose + (1 - t) * off_pose)
+    return pi, f
+
+
+def test_the_enumerated_parent_marginal_equals_monte_carlo_over_the_parent_choices():
+    model, state = _model_and_state()
+    pi, f = _numpy_part_terms(model, *[s.numpy().astype("float64") for s in state])
+    exact = np.exp(model.part_marginal_log_likelihood(*state).numpy())             # [B, N]
+    rng = np.random.default_rng(7)
+    draws = 1_500_000
+    for b in range(pi.shape[0]):
+        for j in range(pi.shape[1]):
+            choices = rng.choice(pi.shape[2], size=draws, p=pi[b, j])
+            values = f[b, j, choices]
+            estimate, standard_error = values.mean(), values.std() / math.sqrt(draws)
+            assert standard_error < 0.0025 * estimate       # 1 % is at least four standard errors
+            assert abs(exact[b, j] / estimate - 1.0) < 0.01, (b, j, exact[b, j], estimate)
+
+
+def test_the_routing_coefficients_are_the_posterior_over_parents():
+    model, state = _model_and_state(seed=3)
+    pi, f = _numpy_part_terms(model, *[s.numpy().astype("float64") for s in state])
+    result = model.route(*state)
+    posterior = pi * f / (pi * f).sum(-1, keepdims=True)
+    np.testing.assert_allclose(result.coefficients.numpy(), posterior, rtol=2e-4, atol=1e-6)
+    np.testing.assert_allclose(result.coefficients.numpy().sum(-1), 1.0, rtol=1e-5)
+    assert result.poses.shape == (2, 4, 6) and result.activations.shape == (2, 4)
+    np.testing.assert_allclose(result.activations.numpy()[:, 0], 1.0)          # the dummy is always on
+
+
+def test_the_joint_adds_the_prior_the_parts_and_the_pixels():
+    model, state = _model_and_state(seed=4)
+    top_presence, top_pose, part_presence, part_pose = [s.numpy().astype("float64") for s in state]
+    pi, f = _numpy_part_terms(model, top_presence, top_pose, part_presence, part_pose)
+    images = np.random.default_rng(5).uniform(size=(2, 16, 16, 1)).astype("float32")
+    mean = model.render(state[2], state[3]).numpy()
+    lam, logit = model.temperature, model.top_logits.numpy()
+    t = top_presence
+    prior = (np.log(lam) + logit - (lam + 1) * (np.log(t) + np.log1p(-t))
+             - 2 * np.log(np.exp(logit) * t ** -lam + (1 - t) ** -lam)).sum(-1)
+    prior += scipy.stats.norm.logpdf(top_pose).sum((1, 2))
+    pixels = scipy.stats.norm.logpdf(images, mean, model.sigma).sum((1, 2, 3))
+    expected = prior + np.log((pi * f).sum(-1)).sum(-1) + pixels
+    found = model.log_prob(tf.constant(images), *state).numpy()
+    # float32 sums of ~300 terms of size ~5: a few 1e-4 in ~1,000
+    np.testing.assert_allclose(found, expected, rtol=1e-5, atol=1e-3)
+
+
+def test_a_part_that_is_off_draws_nothing():
+    model, state = _model_and_state()
+    off = model.render(tf.zeros_like(state[2]), state[3])
+    np.testing.assert_array_equal(off.numpy(), 0.0)
+    one = model.render(tf.constant([[1.0, 0, 0, 0]] * 2), state[3]).numpy()
+    drawn = compositing.warp(model.templates(), state[3] + tf.constant([1.0, 0, 0, 0, 1.0, 0]), (16, 16)).numpy()
+    np.testing.assert_allclose(one, drawn[:, 0, ..., :1] * drawn[:, 0, ..., 1:], rtol=1e-6, atol=1e-7)
+
+
+def test_the_gradient_of_the_joint_reaches_every_generative_weight():
+    model, state = _model_and_state()
+    images = tf.constant(np.random.default_rng(2).uniform(size=(2, 16, 16, 1)).astype("float32"))
+    with tf.GradientTape() as tape:
+        value = tf.reduce_sum(model.log_prob(images, *state))
+    grads = tape.gradient(value, model.trainable_weights)
+    for weight, grad in zip(model.trainable_weights, grads):
+        assert grad is not None, weight.name
+        grad = grad.numpy()
+        per_row = np.abs(grad).reshape(grad.shape[0], -1).sum(-1) if grad.ndim > 1 else np.abs(grad)
+        # every template, every top capsule's prior, every (parent, part) row reached
+        assert np.all(per_row > 0), weight.name
+
+
+def test_generated_latents_follow_the_model():
+    model = ProbabilisticCapsules(image_size=(16, 16), num_top=3, num_parts=4, template_size=6)
+    sample = model.generate(4000, seed=1)
+    assert sample["images"].shape == (4000, 16, 16, 1)
+    # top presences are Bern(sigmoid(0)) = 1/2: standard error 0.0046 over 12,000 draws
+    assert abs(float(tf.reduce_mean(sample["top_presence"])) - 0.5) < 0.02
+    parents = sample["parents"].numpy()
+    top = sample["top_presence"].numpy()
+    chosen_on = np.take_along_axis(np.hstack([np.ones((4000, 1)), top]), parents, axis=1)
+    assert np.all(chosen_on == 1)                              # no part picks a parent that is off
+    off = sample["part_presence"].numpy() == 0
+    assert 0 < off.mean() < 1
+
+
+def test_config_round_trip_rebuilds_the_same_model():
+    model = ProbabilisticCapsules(image_size=(12, 14), num_top=2, num_parts=3, template_size=5, part_scale=0.4,
+                                  sigma=0.3, lambda_off=2.0, rho_dummy=0.1, c_dummy=0.5, c_min=0.2,
+                                  temperature=0.7, seed=9)
+    clone = ProbabilisticCapsules.from_config(model.get_config())
+    assert clone.get_config() == model.get_config()
+    for a, b in zip(model.weights, clone.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
+    assert isinstance(restored, ProbabilisticCapsules) and restored.image_size == (12, 14)
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="num_top"):
+        ProbabilisticCapsules(num_top=0)
+    with pytest.raises(ValueError, match="sigma"):
+        ProbabilisticCapsules(sigma=0.0)
+    with pytest.raises(ValueError, match="image_size"):
+        ProbabilisticCapsules(image_size=(28,))
