@@ -193,7 +193,8 @@ class ProbabilisticCapsules(keras.layers.Layer):
         """`log N(X; render, sigma^2)` over the pixels: `[B]` (eq. 7)."""
         mean = self.render(part_presence, part_pose)
         std = tf.fill(tf.shape(images)[:1], tf.constant(self.sigma, images.dtype))
-        flat = lambda x: tf.reshape(x, [tf.shape(x)[0], -1])
+        pixels = self.image_size[0] * self.image_size[1]
+        flat = lambda x: tf.reshape(x, [-1, pixels])
         return _gaussian_log_prob(flat(images), flat(mean), std)
 
     def log_prob(self, images, top_presence, top_pose, part_presence, part_pose):

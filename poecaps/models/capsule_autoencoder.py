@@ -1,0 +1,142 @@
+"""Amortised variational inference in the probabilistic capsule model (Smith et al., section 2.2, supplement A-B).
+
+The approximate posterior inverts the generative order, layer by layer:
+
+    q(t_j, A_j | X)        part encoder (CNN, attention pooling):  t_j ~ BinConcrete(l_j, tau), A_j a point
+    q(t_i, A_i | t_., A_.) top encoder (set transformer):          t_i ~ BinConcrete(l_i, tau), A_i a point
+
+and the bound (eq. 8) with the parent choices summed out exactly and the
+poses as point estimates (MAP, as the paper trains), one reparameterised
+draw of the relaxed presences:
+
+    L = log p(X | t_j, A_j) + sum_j log sum_i pi_ij f_ij + log p(t_i, A_i)
+        - sum_j log q(t_j) - sum_i log q(t_i).
+
+Part encoder: 3x3 convolutions of 32 channels, stride 2, 2, 1, 1, ELU, then
+a 1x1 convolution giving every part its 7 numbers (presence logit, 6 pose
+entries) and an attention logit at each position, pooled by a softmax over
+the positions (stacked capsule autoencoders' attention pooling). Top
+encoder: each part `(t_j, A_j, one-hot j)` embedded to 128, four induced
+set-attention blocks (32 inducing points, 4 heads, layer norm), pooling by
+attention to one vector, a linear map to 32, then a one-hidden-layer MLP of
+128 units for each variational parameter (presence logits, poses).
+
+Args:
+    generative: a `ProbabilisticCapsules` (or its config dict).
+    channels, hidden, encoding, blocks, inducing, heads: encoder sizes
+        (32, 128, 32, 4, 32, 4).
+    seed: seed of the encoders' initial weights.
+
+Call arguments:
+    images: `[B, H, W, 1]` in [0, 1].
+
+Returns (call): dict of the encoders' means (presences `sigmoid(l)`, poses)
+and `reconstructions`, the image rendered from the parts' means.
+"""
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from poecaps import concrete
+from poecaps.layers.set_attention import AttentionPooling, InducedSetAttention
+from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class ProbabilisticCapsuleAutoencoder(keras.Model):
+    __doc__ = __doc__
+
+    def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
+                 seed=0, **kwargs):
+        super().__init__(**kwargs)
+        if generative is None:
+            generative = ProbabilisticCapsules(seed=seed)
+        elif isinstance(generative, dict):
+            generative = keras.saving.deserialize_keras_object(generative)
+        self.generative = generative
+        self.channels, self.hidden, self.encoding = channels, hidden, encoding
+        self.blocks, self.inducing, self.heads, self.seed = blocks, inducing, heads, seed
+        k, n = generative.num_top, generative.num_parts
+        init = lambda i: keras.initializers.GlorotUniform(seed=seed + i)
+        self.convs = [keras.layers.Conv2D(channels, 3, strides=s, padding="same", activation="elu",
+                                          kernel_initializer=init(i), name=f"part_conv{i}")
+                      for i, s in enumerate((2, 2, 1, 1))]
+        self.part_head = keras.layers.Conv2D(n * 8, 1, kernel_initializer=init(4), name="part_head")
+        self.embed = keras.layers.Dense(hidden, kernel_initializer=init(5), name="part_embedding")
+        self.isabs = [InducedSetAttention(hidden, heads, inducing, name=f"isab{i}") for i in range(blocks)]
+        self.pool = AttentionPooling(hidden, heads, 1, name="pool")
+        self.to_encoding = keras.layers.Dense(encoding, kernel_initializer=init(6), name="encoding")
+        self.top_presence_mlp = keras.Sequential([keras.layers.Dense(hidden, activation="elu"), keras.layers.Dense(k)],
+                                                 name="top_presence")
+        self.top_pose_mlp = keras.Sequential([keras.layers.Dense(hidden, activation="elu"),
+                                              keras.layers.Dense(k * 6)], name="top_pose")
+        scale = generative.part_scale - 1.0
+        self.part_pose_offset = tf.constant([scale, 0.0, 0.0, 0.0, scale, 0.0])
+        self.build((None, *generative.image_size, 1))
+
+    def build(self, input_shape):
+        self.call(ops.zeros((1, *self.generative.image_size, 1)))
+
+    def encode_parts(self, images):
+        """`(presence logits [B, N], poses A_j [B, N, 6])` of q(t_j, A_j | X)."""
+        h = images
+        for conv in self.convs:
+            h = conv(h)
+        n = self.generative.num_parts
+        h = ops.reshape(self.part_head(h), (-1, h.shape[1] * h.shape[2], n, 8))
+        weights = ops.softmax(h[..., 7], axis=1)                                    # over the positions
+        pooled = ops.sum(weights[..., None] * h[..., :7], axis=1)                   # [B, N, 7]
+        return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset
+
+    def encode_top(self, part_presence, part_pose):
+        """`(presence logits [B, K], poses A_i [B, K, 6])` of q(t_i, A_i | t_j, A_j)."""
+        n = self.generative.num_parts
+        identity = ops.broadcast_to(ops.eye(n)[None], (ops.shape(part_pose)[0], n, n))
+        h = self.embed(ops.concatenate([part_presence[..., None], part_pose, identity], axis=-1))
+        for block in self.isabs:
+            h = block(h)
+        code = self.to_encoding(self.pool(h)[:, 0])
+        k = self.generative.num_top
+        return self.top_presence_mlp(code), ops.reshape(self.top_pose_mlp(code), (-1, k, 6))
+
+    def call(self, images):
+        part_logits, part_pose = self.encode_parts(images)
+        part_presence = ops.sigmoid(part_logits)
+        top_logits, top_pose = self.encode_top(part_presence, part_pose)
+        return {"part_presence": part_presence, "part_pose": part_pose, "top_presence": ops.sigmoid(top_logits),
+                "top_pose": top_pose, "reconstructions": self.generative.render(part_presence, part_pose)}
+
+    def bound_terms(self, images, part_logits, part_pose, top_logits=None, top_pose=None, seed=None):
+        """The bound's terms per image `[B]` at the given variational parameters (one draw of the presences).
+
+        Without `top_logits` / `top_pose` the top encoder gives them from the
+        drawn parts. `seed`: a stateless seed `[2]` or None. Keys: `bound`,
+        `image` (log p(X | parts)), `parts` (sum_j log p(t_j, P_j | top)),
+        `top` (log p(t_i, A_i)), `part_entropy`, `top_entropy` (-log q).
+        """
+        g = self.generative
+        seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+        part_presence = concrete.sample(part_logits, g.temperature, seeds[0])
+        if top_logits is None:
+            top_logits, top_pose = self.encode_top(part_presence, part_pose)
+        top_presence = concrete.sample(top_logits, g.temperature, seeds[1])
+        terms = {
+            "image": g.image_log_likelihood(images, part_presence, part_pose),
+            "parts": tf.reduce_sum(g.part_marginal_log_likelihood(top_presence, top_pose, part_presence, part_pose), -1),
+            "top": g.top_log_prior(top_presence, top_pose),
+            "part_entropy": -tf.reduce_sum(concrete.log_prob(part_presence, part_logits, g.temperature), -1),
+            "top_entropy": -tf.reduce_sum(concrete.log_prob(top_presence, top_logits, g.temperature), -1),
+        }
+        terms["bound"] = terms["image"] + terms["parts"] + terms["top"] + terms["part_entropy"] + terms["top_entropy"]
+        return terms
+
+    def bound(self, images, seed=None):
+        """`bound_terms` at the encoders' output."""
+        part_logits, part_pose = self.encode_parts(images)
+        return self.bound_terms(images, part_logits, part_pose, seed=seed)
+
+    def get_config(self):
+        return {"generative": keras.saving.serialize_keras_object(self.generative), "channels": self.channels,
+                "hidden": self.hidden, "encoding": self.encoding, "blocks": self.blocks,
+                "inducing": self.inducing, "heads": self.heads, "seed": self.seed, "name": self.name}

@@ -1,0 +1,60 @@
+"""Trainer of the probabilistic capsule model: ascent on its variational bound (Smith et al., eq. 8)."""
+
+import keras
+import tensorflow as tf
+
+TERMS = ("bound", "image", "parts", "top", "part_entropy", "top_entropy")
+
+
+class ProbabilisticCapsuleTrainer(keras.Model):
+    """Raises `ProbabilisticCapsuleAutoencoder.bound` jointly in the generative and encoder weights.
+
+    Each step draws the relaxed presences once (a stateless seed from the
+    trainer's seed and the step) and takes an optimizer step on
+    `-mean(bound) / pixels`. Metrics: the bound and each of its terms per
+    image, and `mse`, the reconstruction error of the encoders' means.
+
+    Args:
+        model: a `poecaps.models.ProbabilisticCapsuleAutoencoder`.
+        seed: seed of the draws.
+
+    Call arguments:
+        images: `[B, H, W, 1]`; returns `model(images)`.
+    """
+
+    def __init__(self, model, seed=0, **kwargs):
+        super().__init__(**kwargs)
+        self.model = model
+        self.seed = int(seed)
+        self.trackers = {name: keras.metrics.Mean(name=name) for name in (*TERMS, "mse")}
+        self.draws = tf.Variable(0, dtype=tf.int64, trainable=False, name="draws")
+
+    @property
+    def metrics(self):
+        return list(self.trackers.values())
+
+    def call(self, images, training=None):
+        return self.model(images)
+
+    def _update(self, images, terms):
+        for name in TERMS:
+            self.trackers[name].update_state(terms[name])
+        recon = self.model(images)["reconstructions"]
+        self.trackers["mse"].update_state(tf.reduce_mean(tf.square(recon - images)))
+        return {name: m.result() for name, m in self.trackers.items()}
+
+    def train_step(self, data):
+        images = data[0] if isinstance(data, tuple) else data
+        seed = tf.stack([tf.constant(self.seed, tf.int64), self.draws])
+        self.draws.assign_add(1)
+        pixels = float(images.shape[1] * images.shape[2])
+        with tf.GradientTape() as tape:
+            terms = self.model.bound(images, seed=seed)
+            loss = -tf.reduce_mean(terms["bound"]) / pixels
+        weights = self.model.trainable_weights
+        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        return self._update(images, terms)
+
+    def test_step(self, data):
+        images = data[0] if isinstance(data, tuple) else data
+        return self._update(images, self.model.bound(images, seed=tf.constant([self.seed, -1], tf.int64)))
