@@ -173,6 +173,37 @@ def _generative_capsules(argv=None):
                      indent=2))
 
 
+def _probabilistic_capsules(argv=None):
+    p = cli.parser("Train the probabilistic capsule model (Smith et al.) and its VAE baseline on MNIST digits, then "
+                   "refine at test time, probe and draw: RUN/train.json, RUN/eval.json and four figures.",
+                   run_dir_default=os.path.join("runs", "probabilistic"))
+    p.add_argument("--data-dir", default=None, help="folder of MNIST IDX files (e.g. ../shared/data/mnist-5k)")
+    p.add_argument("--epochs", type=int, default=150, help="epochs of each model (default: 150)")
+    p.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
+    p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's learning rate (default: 0.001)")
+    p.add_argument("--canvas", type=int, default=40, help="digits are padded to this size (default: 40)")
+    p.add_argument("--tto-steps", type=int, default=200, help="test-time optimisation steps (default: 200)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the draws")
+    p.add_argument("--resume", action="store_true", help="continue the training in --run-dir")
+    p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "canvas"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
+    if args.tto_steps < 0 or args.seed < 0:
+        p.error(f"--tto-steps and --seed must be >= 0. Received: {args.tto_steps} and {args.seed}")
+    if not args.learning_rate > 0:
+        p.error(f"--learning-rate must be > 0. Received: {args.learning_rate}")
+    if not args.evaluate_only and not args.data_dir:
+        p.error("--data-dir (a folder of MNIST IDX files) is required to train")
+    from poecaps.experiments import probabilistic_capsules as study  # TensorFlow: after --help
+
+    if not args.evaluate_only:
+        study.train_run(args.run_dir, args.epochs, args.batch_size, args.learning_rate, args.canvas, args.data_dir,
+                        args.seed, args.resume)
+    print(json.dumps(study.evaluate_run(args.run_dir, tto_steps=args.tto_steps, seed=args.seed), indent=2))
+
+
 def train_layerwise(argv=None):
     return cli.run_main(_train_layerwise, argv)
 
@@ -203,3 +234,7 @@ def sparse_inference(argv=None):
 
 def generative_capsules(argv=None):
     return cli.run_main(_generative_capsules, argv)
+
+
+def probabilistic_capsules(argv=None):
+    return cli.run_main(_probabilistic_capsules, argv)

@@ -45,7 +45,8 @@ def invert(pose):
     return tf.stack([ia, ib, -(ia * tx + ib * ty), ic, id_, -(ic * tx + id_ * ty)], axis=-1)
 
 
-def _centres(n, dtype):
+def pixel_centres(n, dtype):
+    """The `n` pixel centres along one axis in [-1, 1]: `2 (k + 1/2) / n - 1`."""
     return (2.0 * (tf.range(n, dtype=dtype) + 0.5)) / n - 1.0
 
 
@@ -59,7 +60,7 @@ def warp(templates, poses, image_size):
     poses = tf.cast(poses, templates.dtype)
     n, h, w, channels = templates.shape
     height, width = image_size
-    ys, xs = tf.meshgrid(_centres(height, templates.dtype), _centres(width, templates.dtype), indexing="ij")
+    ys, xs = tf.meshgrid(pixel_centres(height, templates.dtype), pixel_centres(width, templates.dtype), indexing="ij")
     grid = tf.stack([tf.reshape(xs, [-1]), tf.reshape(ys, [-1]), tf.ones([height * width], templates.dtype)])
     inverse = homogeneous(invert(poses))[..., :2, :]                     # [B, N, 2, 3]
     source = tf.einsum("bnij,jp->bnip", inverse, grid)                 # template coordinates [B, N, 2, HW]

@@ -255,14 +255,14 @@ def test_the_bound_is_the_sum_of_its_terms_and_its_gradient_reaches_every_weight
 
 
 def test_the_trainer_raises_the_bound_and_the_model_saves_and_reloads(tmp_path):
-    from trainers.probabilistic import ProbabilisticCapsuleTrainer
+    from poecaps.trainers.variational import VariationalTrainer
 
     model = _tiny_autoencoder()
     rng = np.random.default_rng(1)
     images = np.zeros((32, 12, 12, 1), "float32")
     images[:, 3:9, 5:7] = 1.0                                          # one bar, shifted a little
     images = np.stack([np.roll(im, rng.integers(-2, 3), axis=1) for im in images])
-    trainer = ProbabilisticCapsuleTrainer(model, seed=0)
+    trainer = VariationalTrainer(model, seed=0)
     trainer.compile(optimizer=keras.optimizers.Adam(3e-3))
     before = trainer.evaluate(images, batch_size=32, verbose=0, return_dict=True)["bound"]
     trainer.fit(images, batch_size=8, epochs=4, verbose=0)
@@ -274,3 +274,91 @@ def test_the_trainer_raises_the_bound_and_the_model_saves_and_reloads(tmp_path):
     for key, value in model(images[:4]).items():
         np.testing.assert_allclose(restored(images[:4])[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
     assert restored.get_config()["generative"]["config"] == model.get_config()["generative"]["config"]
+
+
+def test_the_part_encoder_sees_where_each_pixel_is():
+    from poecaps.models.capsule_autoencoder import _coordinates
+
+    grid = _coordinates(tf.zeros((2, 2, 4, 1))).numpy()
+    assert grid.shape == (2, 2, 4, 2)
+    np.testing.assert_allclose(grid[1, 0, :, 0], [-0.75, -0.25, 0.25, 0.75])       # x: 2 (k + 1/2) / 4 - 1
+    np.testing.assert_allclose(grid[1, :, 2, 1], [-0.5, 0.5])                      # y: 2 (k + 1/2) / 2 - 1
+    model = _tiny_autoencoder()
+    bar = np.zeros((2, 12, 12, 1), "float32")
+    bar[0, 2:5, 2:5] = bar[1, 7:10, 7:10] = 1.0                      # the same square in two places
+    poses = model.encode_parts(tf.constant(bar))[1].numpy()
+    assert np.abs(poses[0] - poses[1]).max() > 1e-3
+
+
+def test_refine_ascends_each_images_own_bound():
+    model = _tiny_autoencoder()
+    images = tf.constant(np.random.default_rng(2).uniform(size=(4, 12, 12, 1)).astype("float32"))
+    start = model.variational_parameters(images)
+    same = model.refine(images, 0, parameters=start)
+    for key, value in start.items():
+        np.testing.assert_array_equal(same[key].numpy(), value.numpy())
+    refined = model.refine(images, 30, learning_rate=0.02, parameters=start, seed=5)
+    before = model.mean_bound(images, start, draws=16, seed=9).numpy()
+    after = model.mean_bound(images, refined, draws=16, seed=9).numpy()
+    assert np.all(after > before), (before, after)
+    # Adam is coordinate-wise and the bound a sum over images: changing image 0 leaves the others' paths alone
+    # (the same draws reach the same positions of the batch).
+    other = tf.concat([1.0 - images[:1], images[1:]], axis=0)
+    moved = model.refine(other, 30, learning_rate=0.02, parameters=start, seed=5)
+    for key in start:
+        np.testing.assert_allclose(moved[key][1:].numpy(), refined[key][1:].numpy(), rtol=1e-4, atol=1e-5)
+        assert np.abs(moved[key][0].numpy() - refined[key][0].numpy()).max() > 1e-4
+    with pytest.raises(ValueError, match="steps"):
+        model.refine(images, -1)
+
+
+def _tiny_vae():
+    from poecaps.models import VariationalAutoencoder
+
+    return VariationalAutoencoder(image_size=(6, 5), latent=3, hidden=7, pixel_sigma=0.3, seed=4)
+
+
+def test_the_vae_bound_is_its_gaussian_likelihood_minus_the_kl_divergence():
+    from scipy import stats
+
+    vae = _tiny_vae()
+    images = np.random.default_rng(3).uniform(size=(2, 6, 5, 1)).astype("float32")
+    seed = tf.constant([1, 2], tf.int64)
+    terms = {k: v.numpy() for k, v in vae.bound(tf.constant(images), seed=seed).items()}
+    mu, sigma = (t.numpy() for t in vae.encode(tf.constant(images)))
+    # KL(N(mu, sigma^2) || N(0, 1)) by quadrature, per latent
+    for b in range(2):
+        kl = 0.0
+        for m, s in zip(mu[b], sigma[b]):
+            q = stats.norm(m, s)
+            z = np.linspace(m - 12 * s, m + 12 * s, 20001)
+            kl += np.trapezoid(q.pdf(z) * (q.logpdf(z) - stats.norm.logpdf(z)), z)
+        np.testing.assert_allclose(terms["kl"][b], kl, rtol=1e-4)
+    z = mu + sigma * tf.random.stateless_normal(mu.shape, seed).numpy()
+    mean = vae.decoder(tf.constant(z)).numpy()
+    likelihood = stats.norm.logpdf(images, mean, 0.3).reshape(2, -1).sum(-1)
+    np.testing.assert_allclose(terms["image"], likelihood, rtol=1e-5)
+    np.testing.assert_allclose(terms["bound"], terms["image"] - terms["kl"], rtol=1e-6)
+
+
+def test_the_vae_trains_saves_and_reloads(tmp_path):
+    from poecaps.models import VariationalAutoencoder
+    from poecaps.trainers.variational import VariationalTrainer
+
+    vae = _tiny_vae()
+    images = np.zeros((32, 6, 5, 1), "float32")
+    images[::2, 1:4, 1:3] = 1.0
+    trainer = VariationalTrainer(vae, seed=0)
+    trainer.compile(optimizer=keras.optimizers.Adam(1e-2))
+    before = trainer.evaluate(images, batch_size=32, verbose=0, return_dict=True)["bound"]
+    trainer.fit(images, batch_size=8, epochs=5, verbose=0)
+    assert trainer.evaluate(images, batch_size=32, verbose=0, return_dict=True)["bound"] > before
+    clone = VariationalAutoencoder.from_config(vae.get_config())
+    assert clone.get_config() == vae.get_config() and clone.image_size == (6, 5) and clone.latent == 3
+    path = str(tmp_path / "vae.keras")
+    vae.save(path)
+    restored = keras.saving.load_model(path)
+    for key, value in vae(images[:3]).items():
+        np.testing.assert_allclose(restored(images[:3])[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="latent"):
+        VariationalAutoencoder(latent=0)

@@ -12,7 +12,10 @@ draw of the relaxed presences:
     L = log p(X | t_j, A_j) + sum_j log sum_i pi_ij f_ij + log p(t_i, A_i)
         - sum_j log q(t_j) - sum_i log q(t_i).
 
-Part encoder: 3x3 convolutions of 32 channels, stride 2, 2, 1, 1, ELU, then
+Part encoder: the image with two coordinate channels (x and y of each pixel
+centre in the [-1, 1] frame of `poecaps.compositing`, so that the pooled
+poses can say where a part is), 3x3 convolutions of 32 channels, stride 2,
+2, 1, 1, ELU, then
 a 1x1 convolution giving every part its 7 numbers (presence logit, 6 pose
 entries) and an attention logit at each position, pooled by a softmax over
 the positions (stacked capsule autoencoders' attention pooling). Top
@@ -38,14 +41,48 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from poecaps import concrete
+from poecaps import compositing, concrete
 from poecaps.layers.set_attention import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
+
+
+def _coordinates(images):
+    """`[B, H, W, 2]`: x and y of every pixel centre in [-1, 1] (`poecaps.compositing`'s frame)."""
+    height, width = images.shape[1], images.shape[2]
+    ys, xs = tf.meshgrid(compositing.pixel_centres(height, images.dtype),
+                         compositing.pixel_centres(width, images.dtype), indexing="ij")
+    grid = tf.stack([xs, ys], axis=-1)[None]
+    return tf.broadcast_to(grid, tf.concat([tf.shape(images)[:1], [height, width, 2]], 0))
+
+
+def _adam_ascent(model, images, values, names, steps, learning_rate, seed, beta1=0.9, beta2=0.999, eps=1e-8):
+    """`steps` Adam steps ascending `sum(bound)` in `values` (a list of tensors); the model's weights fixed."""
+    @tf.function
+    def run(images, values):
+        def step(t, values, first, second):
+            with tf.GradientTape() as tape:
+                tape.watch(values)
+                draw = tf.stack([tf.constant(seed, tf.int64), tf.cast(t, tf.int64)])
+                bound = model.bound_terms(images, **dict(zip(names, values)), seed=draw)["bound"]
+                loss = -tf.reduce_sum(bound)
+            grads = tape.gradient(loss, values)
+            first = [beta1 * m + (1.0 - beta1) * g for m, g in zip(first, grads)]
+            second = [beta2 * v + (1.0 - beta2) * tf.square(g) for v, g in zip(second, grads)]
+            k = tf.cast(t + 1, images.dtype)
+            scale = learning_rate * tf.sqrt(1.0 - beta2 ** k) / (1.0 - beta1 ** k)
+            values = [x - scale * m / (tf.sqrt(v) + eps) for x, m, v in zip(values, first, second)]
+            return t + 1, values, first, second
+
+        zeros = [tf.zeros_like(v) for v in values]
+        return tf.while_loop(lambda t, *_: t < steps, step, (tf.constant(0), values, zeros, list(zeros)))[1]
+
+    return [v for v in run(images, values)]
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
 class ProbabilisticCapsuleAutoencoder(keras.Model):
     __doc__ = __doc__
+    TERMS = ("bound", "image", "parts", "top", "part_entropy", "top_entropy")
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
                  seed=0, **kwargs):
@@ -80,7 +117,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
     def encode_parts(self, images):
         """`(presence logits [B, N], poses A_j [B, N, 6])` of q(t_j, A_j | X)."""
-        h = images
+        h = ops.concatenate([images, _coordinates(images)], axis=-1)
         for conv in self.convs:
             h = conv(h)
         n = self.generative.num_parts
@@ -135,6 +172,48 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         """`bound_terms` at the encoders' output."""
         part_logits, part_pose = self.encode_parts(images)
         return self.bound_terms(images, part_logits, part_pose, seed=seed)
+
+    def variational_parameters(self, images):
+        """The encoders' variational parameters, the starting point of `refine`.
+
+        Dict of `part_logits [B, N]`, `part_pose [B, N, 6]`, `top_logits
+        [B, K]` and `top_pose [B, K, 6]` (the top encoder reads the parts'
+        presence means).
+        """
+        part_logits, part_pose = self.encode_parts(images)
+        top_logits, top_pose = self.encode_top(tf.sigmoid(part_logits), part_pose)
+        return {"part_logits": part_logits, "part_pose": part_pose, "top_logits": top_logits, "top_pose": top_pose}
+
+    def mean_bound(self, images, parameters, draws=8, seed=0):
+        """The bound per image `[B]` at `parameters`, averaged over `draws` draws of the presences.
+
+        The draws are a pure function of `seed`: two parameter sets compared
+        at one seed see the same noise (common random numbers).
+        """
+        seeds = tf.random.experimental.stateless_split(tf.constant([int(seed), 1], tf.int64), draws)
+        total = 0.0
+        for d in range(draws):
+            total += self.bound_terms(images, **parameters, seed=seeds[d])["bound"]
+        return total / draws
+
+    def refine(self, images, steps, learning_rate=0.01, parameters=None, seed=0):
+        """Test-time optimisation: `steps` Adam steps on the bound in each image's variational parameters.
+
+        From the encoders' output (or `parameters`), with the model's weights
+        fixed, ascend `bound_terms` (one fresh draw of the presences per
+        step, a pure function of `seed`). Adam acts coordinate-wise on the
+        sum of the images' bounds, so each image's parameters follow their own
+        bound alone. Returns the refined parameters (the dict of
+        `variational_parameters`).
+        """
+        if not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"steps must be an integer >= 0. Received: steps={steps!r}")
+        images = tf.convert_to_tensor(images)
+        start = self.variational_parameters(images) if parameters is None else parameters
+        names = sorted(start)
+        found = _adam_ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names, steps,
+                             float(learning_rate), int(seed))
+        return dict(zip(names, found))
 
     def get_config(self):
         return {"generative": keras.saving.serialize_keras_object(self.generative), "channels": self.channels,

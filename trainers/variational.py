@@ -1,21 +1,24 @@
-"""Trainer of the probabilistic capsule model: ascent on its variational bound (Smith et al., eq. 8)."""
+"""Trainer of a variational bound: the probabilistic capsule model (Smith et al., eq. 8) or the VAE baseline."""
 
 import keras
 import tensorflow as tf
 
-TERMS = ("bound", "image", "parts", "top", "part_entropy", "top_entropy")
 
+class VariationalTrainer(keras.Model):
+    """Raises a model's variational bound jointly in its generative and encoder weights.
 
-class ProbabilisticCapsuleTrainer(keras.Model):
-    """Raises `ProbabilisticCapsuleAutoencoder.bound` jointly in the generative and encoder weights.
-
-    Each step draws the relaxed presences once (a stateless seed from the
-    trainer's seed and the step) and takes an optimizer step on
-    `-mean(bound) / pixels`. Metrics: the bound and each of its terms per
-    image, and `mse`, the reconstruction error of the encoders' means.
+    The model gives `bound(images, seed)`, a dict of per-image terms `[B]`
+    named by its `TERMS` (the first is the bound itself), and
+    `model(images)["reconstructions"]`, the image decoded from the encoder's
+    means: `poecaps.models.ProbabilisticCapsuleAutoencoder` and
+    `poecaps.models.VariationalAutoencoder` do. Each step draws the
+    stochastic latents once (a stateless seed from the trainer's seed and
+    the step) and takes an optimizer step on `-mean(bound) / pixels`.
+    Metrics: every term per image, and `mse`, the reconstruction error of
+    the encoder's means.
 
     Args:
-        model: a `poecaps.models.ProbabilisticCapsuleAutoencoder`.
+        model: the model.
         seed: seed of the draws.
 
     Call arguments:
@@ -26,7 +29,8 @@ class ProbabilisticCapsuleTrainer(keras.Model):
         super().__init__(**kwargs)
         self.model = model
         self.seed = int(seed)
-        self.trackers = {name: keras.metrics.Mean(name=name) for name in (*TERMS, "mse")}
+        self.terms = tuple(model.TERMS)
+        self.trackers = {name: keras.metrics.Mean(name=name) for name in (*self.terms, "mse")}
         self.draws = tf.Variable(0, dtype=tf.int64, trainable=False, name="draws")
 
     @property
@@ -37,7 +41,7 @@ class ProbabilisticCapsuleTrainer(keras.Model):
         return self.model(images)
 
     def _update(self, images, terms):
-        for name in TERMS:
+        for name in self.terms:
             self.trackers[name].update_state(terms[name])
         recon = self.model(images)["reconstructions"]
         self.trackers["mse"].update_state(tf.reduce_mean(tf.square(recon - images)))

@@ -1,0 +1,265 @@
+"""The probabilistic capsule model on digits (Smith et al.): training, test-time optimisation, probes, figures.
+
+`train_run(run_dir, ...)` trains `ProbabilisticCapsuleAutoencoder` (the
+spec's sizes) and the VAE baseline on the same digits, epochs, batch and
+optimizer, each through `fit_resumable` (checkpoints, `resume=True` goes
+on). Digits are padded to a `canvas` x `canvas` frame (40: affNIST's size,
+so that rotated and affine-transformed digits keep their corners). It
+writes `RUN/train.json`: parameter counts, the bound and reconstruction
+error per epoch on the training digits (the trainer's running means) and on
+the test digits (a fixed draw), the test MSE of predicting the mean
+training image, minutes.
+
+`evaluate_run(run_dir, ...)` reads the trained models and writes
+`RUN/eval.json` and the figures:
+
+- test-time optimisation (`ProbabilisticCapsuleAutoencoder.refine`) on
+  `tto_images` test digits spread evenly over the split: the bound before
+  and after (averaged over the same draws), and the reconstruction error
+  of the same digits rotated by 90 degrees before and after;
+- linear probes (`poecaps.metrics.linear_probe`) trained on the unrotated
+  training digits' `t0` (top presences), `(t0, A0)` (with the top poses)
+  and the VAE's `(mu, sigma)`, tested at 0, 45, 90, 135 and 180 degrees
+  and under random affine transforms (`poecaps.transforms.random_affine`,
+  a stand-in for affNIST, which is not available offline);
+- `templates.png`, `reconstructions.png`, `rotation.png` (a rotated digit
+  before and after test-time optimisation: the paper's Figure 3) and
+  `samples.png` (images drawn from the model).
+"""
+
+import os
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from poecaps import data as data_lib
+from poecaps import metrics, transforms
+from poecaps.errors import InputError
+from poecaps.experiments import figures
+from poecaps.experiments.runs import RunDir
+from poecaps.models import (
+    ProbabilisticCapsuleAutoencoder,
+    ProbabilisticCapsules,
+    VariationalAutoencoder,
+)
+from poecaps.models.saving import save_component
+from poecaps.trainers.resumable import fit_resumable
+from poecaps.trainers.variational import VariationalTrainer
+from poecaps.validation import check_images
+
+KIND = "probabilistic-capsules"
+ANGLES = (0, 45, 90, 135, 180)
+# The affine stand-in for affNIST: rotation, shear, scales, translation (share of the canvas).
+AFFINE = {"max_rotation": 20.0, "max_shear": 0.2, "scale_range": (0.8, 1.2), "max_translation": 0.1}
+EVAL_BATCH = 250
+
+
+def load_digits(data_dir, split, canvas):
+    """MNIST digits of `split` from the IDX files in `data_dir`, padded to `canvas` x `canvas`: `(images, labels)`."""
+    images, labels, _ = data_lib.load_arrays("mnist", split, data_dir)
+    images = check_images(data_lib.to_float(images), f"mnist {split} images")
+    pad = canvas - images.shape[1]
+    if pad < 0 or canvas - images.shape[2] != pad:
+        raise InputError(f"canvas must be at least the digits' size {images.shape[1:3]}. Received: canvas={canvas}")
+    before = pad // 2
+    return np.pad(images, ((0, 0), (before, pad - before), (before, pad - before), (0, 0))), labels
+
+
+def even_spread(count, size):
+    """`size` indices spread evenly over `count` (mnist-5k's splits are ordered by class)."""
+    return np.linspace(0, count - 1, min(size, count)).round().astype(int)
+
+
+def _batched(step, images):
+    """`step` over `images` in batches of `EVAL_BATCH` (the last padded): dict of concatenated NumPy arrays."""
+    parts = []
+    for s in range(0, len(images), EVAL_BATCH):
+        batch = images[s:s + EVAL_BATCH]
+        padded = np.concatenate([batch, np.repeat(batch[:1], EVAL_BATCH - len(batch), 0)])
+        parts.append({k: v.numpy()[:len(batch)] for k, v in step(tf.constant(padded)).items()})
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+class _TestCurve(keras.callbacks.Callback):
+    """After each epoch: the bound (one fixed draw) and reconstruction error on the test digits."""
+
+    def __init__(self, model, images, record, label):
+        super().__init__()
+        self.images, self.record, self.label = images, record, label
+        self.step = tf.function(lambda x: {"bound": model.bound(x, seed=tf.constant([0, 0], tf.int64))["bound"],
+                                           "mse": tf.reduce_mean(tf.square(model(x)["reconstructions"] - x),
+                                                                 axis=(1, 2, 3))})
+
+    def on_epoch_end(self, epoch, logs=None):
+        found = _batched(self.step, self.images)
+        entry = {"epoch": epoch + 1, "test_bound": float(found["bound"].mean()), "test_mse": float(found["mse"].mean()),
+                 **{f"train_{k}": float(v) for k, v in (logs or {}).items()}}
+        self.record.append(entry)
+        print(f"[{self.label}] epoch {epoch + 1}: bound {entry['train_bound']:.1f} (test {entry['test_bound']:.1f}), "
+              f"mse {entry['train_mse']:.4f} (test {entry['test_mse']:.4f})", flush=True)
+
+
+def _fit(name, model, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, settings):
+    trainer = VariationalTrainer(model, seed=seed)
+    trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=True)
+    record = []
+    fit_resumable(trainer, x_train, epochs=epochs, batch_size=batch_size, seed=seed,
+                  checkpoint_dir=os.path.join(run.checkpoints, name), checkpoint_config=settings, resume=resume,
+                  fault_log=run.file("faults.jsonl"), callbacks=[_TestCurve(model, x_test, record, name)], verbose=0)
+    save_component(model, os.path.join(run.models, f"{name}.keras"))
+    return record
+
+
+def count_params(weights):
+    return int(sum(np.prod(w.shape) for w in weights))
+
+
+def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40, data_dir=None, seed=0,
+              resume=False):
+    """Train the capsule model and the VAE on the same digits and budget; write and return `RUN/train.json`."""
+    if data_dir is None:
+        raise InputError("data_dir is required: a folder of MNIST IDX files (e.g. ../shared/data/mnist-5k).")
+    run = RunDir(run_dir)
+    settings = {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate, "canvas": canvas,
+                "data_dir": os.path.abspath(data_dir), "seed": seed}
+    found = run.read_json("config.json")
+    if found is not None and found.get("kind") != KIND:
+        raise InputError(f"{run.path} holds a {found.get('kind') or 'unknown'} run; use another --run-dir.")
+    if resume and found is not None:
+        changed = [k for k in ("batch_size", "learning_rate", "canvas", "seed") if found["settings"].get(k) != settings[k]]
+        if changed:
+            raise InputError(f"{run.path} was trained with other {', '.join(changed)}; resume with the same values.")
+    run.write_json("config.json", {"kind": KIND, "settings": settings})
+    x_train, _ = load_digits(data_dir, "train", canvas)
+    x_test, _ = load_digits(data_dir, "test", canvas)
+    keras.utils.set_random_seed(seed)
+    start = time.perf_counter()
+    capsules = ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules(image_size=(canvas, canvas), seed=seed), seed=seed)
+    shape = {"batch_size": batch_size, "canvas": canvas, "seed": seed}
+    curve = _fit("capsules", capsules, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape)
+    capsule_seconds = time.perf_counter() - start
+    vae = VariationalAutoencoder(image_size=(canvas, canvas), seed=seed)
+    vae_curve = _fit("vae", vae, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape)
+    mean_image_mse = float(np.mean(np.square(x_test - x_train.mean(0))))
+    generative = count_params(capsules.generative.weights)
+    result = {
+        "settings": settings, "train_images": len(x_train), "test_images": len(x_test),
+        "generative_parameters": generative,
+        "encoder_parameters": count_params(capsules.weights) - generative,
+        "vae_parameters": count_params(vae.weights),
+        "curve": curve, "vae_curve": vae_curve,
+        "test_mse": curve[-1]["test_mse"] if curve else None, "mean_image_test_mse": mean_image_mse,
+        "capsule_minutes": capsule_seconds / 60.0, "minutes": (time.perf_counter() - start) / 60.0,
+    }
+    print(f"generative parameters: {generative}; test MSE {result['test_mse']} against {mean_image_mse:.4f} "
+          f"for the mean image; capsule model trained in {result['capsule_minutes']:.1f} minutes", flush=True)
+    run.write_json("train.json", result)
+    return result
+
+
+def load_trained(run_dir):
+    """`(run, settings, capsule model, VAE)` of a trained run."""
+    from poecaps.models.saving import load_component
+
+    run = RunDir(run_dir, create=False)
+    found = run.read_json("config.json")
+    if found is None or found.get("kind") != KIND:
+        raise InputError(f"{run.path} holds no trained probabilistic capsule model; train one first.")
+    paths = [os.path.join(run.models, f"{name}.keras") for name in ("capsules", "vae")]
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise InputError(f"{run.path} has no {', '.join(missing)}; finish its training (--resume) first.")
+    return run, found["settings"], load_component(paths[0]), load_component(paths[1])
+
+
+def _features(capsules, vae):
+    """A compiled step: each image's probe features (`t0`, `A0`, the VAE's `(mu, sigma)`)."""
+    def step(x):
+        parameters = capsules.variational_parameters(x)
+        encoded = vae(x)
+        return {"t0": tf.sigmoid(parameters["top_logits"]), "A0": tf.reshape(parameters["top_pose"], [len(x), -1]),
+                "vae": tf.concat([encoded["mu"], encoded["sigma"]], -1)}
+    return tf.function(step, jit_compile=True)
+
+
+def probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed):
+    """Linear-probe accuracy of `t0`, `(t0, A0)` and the VAE's `(mu, sigma)`: rotations and the affine stand-in."""
+    features = _features(capsules, vae)
+    train = _batched(features, x_train)
+    train_sets = {"t0": train["t0"], "t0_A0": np.hstack([train["t0"], train["A0"]]), "vae": train["vae"]}
+    tests = {f"{angle}": np.asarray(transforms.rotate(x_test, float(angle))) for angle in ANGLES}
+    tests["affine"] = np.asarray(transforms.random_affine(x_test, seed=keras.random.SeedGenerator(seed), **AFFINE))
+    table = {name: {} for name in train_sets}
+    for condition, images in tests.items():
+        found = _batched(features, images)
+        sets = {"t0": found["t0"], "t0_A0": np.hstack([found["t0"], found["A0"]]), "vae": found["vae"]}
+        for name, train_features in train_sets.items():
+            table[name][condition] = metrics.linear_probe(train_features, y_train, sets[name], y_test)
+        print(f"[probe] {condition}: " + ", ".join(f"{n} {table[n][condition]:.3f}" for n in table), flush=True)
+    return table, tests
+
+
+def _render(capsules, parameters):
+    return capsules.generative.render(tf.sigmoid(parameters["part_logits"]), parameters["part_pose"])
+
+
+def test_time_optimisation(capsules, images, rotated, steps, learning_rate, seed):
+    """Bound per image before and after `refine` on `images`; reconstruction error of `rotated` before and after."""
+    before = capsules.variational_parameters(images)
+    after = capsules.refine(images, steps, learning_rate, before, seed=seed)
+    bound = lambda p: capsules.mean_bound(images, p, draws=8, seed=seed + 1).numpy()
+    bound_before, bound_after = bound(before), bound(after)
+    rot_before = capsules.variational_parameters(rotated)
+    rot_after = capsules.refine(rotated, steps, learning_rate, rot_before, seed=seed)
+    mse = lambda p: np.mean(np.square(_render(capsules, p).numpy() - rotated), axis=(1, 2, 3))
+    mse_before, mse_after = mse(rot_before), mse(rot_after)
+    return {
+        "images": len(images), "steps": steps, "learning_rate": learning_rate,
+        "bound_before": float(bound_before.mean()), "bound_after": float(bound_after.mean()),
+        "share_improved": float(np.mean(bound_after > bound_before)),
+        "rotated_90_mse_before": float(mse_before.mean()), "rotated_90_mse_after": float(mse_after.mean()),
+        "rotated_90_mse_fall": float(1.0 - mse_after.mean() / mse_before.mean()),
+    }, (rot_before, rot_after)
+
+
+def _figures(run, capsules, x_test, rotated, rotated_parameters, seed):
+    show = even_spread(len(x_test), 10)
+    templates = capsules.generative.templates().numpy()
+    drawn = templates[..., :1] * templates[..., 1:]                                    # intensity times alpha
+    figures.image_grid(drawn[None], run.file("templates.png"), title="learned templates (intensity x alpha)")
+    recon = _batched(tf.function(lambda x: {"r": capsules(x)["reconstructions"]}), x_test[show])["r"]
+    figures.image_grid(np.stack([x_test[show], recon]), run.file("reconstructions.png"),
+                       title="test digits and their reconstructions (encoder means)", row_labels=["data", "recon"])
+    before, after = (_render(capsules, p).numpy()[:10] for p in rotated_parameters)
+    figures.image_grid(np.stack([rotated[:10], before, after]), run.file("rotation.png"),
+                       title="digits rotated by 90 degrees: reconstruction before and after test-time optimisation",
+                       row_labels=["rotated", "encoder", "refined"])
+    samples = capsules.generative.generate(20, seed=seed)["means"].numpy()
+    figures.image_grid(samples.reshape(2, 10, *samples.shape[1:]), run.file("samples.png"),
+                       title="images drawn from the model (mean of the pixels)")
+    return [run.file(name) for name in ("templates.png", "reconstructions.png", "rotation.png", "samples.png")]
+
+
+def evaluate_run(run_dir, tto_images=200, tto_steps=200, tto_learning_rate=0.01, seed=0):
+    """Test-time optimisation, the probe table and the figures of a trained run; write and return `RUN/eval.json`."""
+    run, settings, capsules, vae = load_trained(run_dir)
+    keras.utils.set_random_seed(seed)
+    start = time.perf_counter()
+    x_train, y_train = load_digits(settings["data_dir"], "train", settings["canvas"])
+    x_test, y_test = load_digits(settings["data_dir"], "test", settings["canvas"])
+    table, tests = probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed)
+    pick = even_spread(len(x_test), tto_images)
+    tto, rotated_parameters = test_time_optimisation(capsules, tf.constant(x_test[pick]), tests["90"][pick],
+                                                     tto_steps, tto_learning_rate, seed)
+    print(f"[tto] bound {tto['bound_before']:.1f} -> {tto['bound_after']:.1f}, improved on "
+          f"{tto['share_improved']:.1%}; 90-degree MSE {tto['rotated_90_mse_before']:.4f} -> "
+          f"{tto['rotated_90_mse_after']:.4f} ({tto['rotated_90_mse_fall']:.1%} lower)", flush=True)
+    result = {"run": run_dir, "seed": seed, "probe_train_images": len(x_train), "probe_test_images": len(x_test),
+              "affine_stand_in": {k: list(v) if isinstance(v, tuple) else v for k, v in AFFINE.items()},
+              "probe_accuracy": table, "test_time_optimisation": tto,
+              "figures": _figures(run, capsules, x_test[pick], tests["90"][pick], rotated_parameters, seed),
+              "seconds": time.perf_counter() - start}
+    run.write_json("eval.json", result)
+    return result

@@ -1,0 +1,80 @@
+"""A variational autoencoder (Kingma and Welling), the baseline of Smith et al.'s probe table.
+
+    q(z | X) = N(mu(X), diag sigma(X)^2),   p(z) = N(0, I_L),   p(X | z) = N(decoder(z), s^2 I)
+
+with one hidden layer of `hidden` ELU units on each side, `L = latent`, and
+the same Gaussian pixel likelihood as `ProbabilisticCapsules` (`s` =
+`pixel_sigma`, 0.2), so that the two bounds are in the same units. The
+bound per image, one reparameterised draw `z = mu + sigma eps`:
+
+    L = log p(X | z) - KL(q(z | X) || p(z)),   KL = 1/2 sum_l (mu_l^2 + sigma_l^2 - 1 - 2 log sigma_l).
+
+Args:
+    image_size: (H, W) of the images (one channel).
+    latent: L (10).
+    hidden: hidden units of the encoder and of the decoder (128).
+    pixel_sigma: `s`.
+    seed: seed of the initial weights.
+
+Call arguments:
+    images: `[B, H, W, 1]` in [0, 1].
+
+Returns (call): dict of `mu [B, L]`, `sigma [B, L]` and `reconstructions`
+(the decoder's mean at `z = mu`).
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+@keras.saving.register_keras_serializable(package="poecaps")
+class VariationalAutoencoder(keras.Model):
+    __doc__ = __doc__
+    TERMS = ("bound", "image", "kl")
+
+    def __init__(self, image_size=(28, 28), latent=10, hidden=128, pixel_sigma=0.2, seed=0, **kwargs):
+        super().__init__(**kwargs)
+        self.image_size = tuple(int(s) for s in image_size)
+        for name, value in (("latent", latent), ("hidden", hidden)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1. Received: {name}={value!r}")
+        if not pixel_sigma > 0:
+            raise ValueError(f"pixel_sigma must be > 0. Received: pixel_sigma={pixel_sigma!r}")
+        self.latent, self.hidden, self.pixel_sigma, self.seed = latent, hidden, float(pixel_sigma), int(seed)
+        init = lambda i: keras.initializers.GlorotUniform(seed=seed + i)
+        pixels = self.image_size[0] * self.image_size[1]
+        self.encoder = keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(hidden, "elu", kernel_initializer=init(0)),
+                                         keras.layers.Dense(2 * latent, kernel_initializer=init(1))], name="encoder")
+        self.decoder = keras.Sequential([keras.layers.Dense(hidden, "elu", kernel_initializer=init(2)),
+                                         keras.layers.Dense(pixels, "sigmoid", kernel_initializer=init(3)),
+                                         keras.layers.Reshape((*self.image_size, 1))], name="decoder")
+        self.call(tf.zeros((1, *self.image_size, 1)))
+
+    def encode(self, images):
+        """`(mu, sigma)`, each `[B, L]`."""
+        h = self.encoder(images)
+        return h[:, :self.latent], tf.nn.softplus(h[:, self.latent:]) + 1e-4
+
+    def call(self, images):
+        mu, sigma = self.encode(images)
+        return {"mu": mu, "sigma": sigma, "reconstructions": self.decoder(mu)}
+
+    def bound(self, images, seed=None):
+        """The bound's terms per image `[B]`: `bound`, `image` (log p(X | z)), `kl`; `seed` a stateless seed or None."""
+        mu, sigma = self.encode(images)
+        eps = (tf.random.normal(tf.shape(mu)) if seed is None
+               else tf.random.stateless_normal(tf.shape(mu), seed))
+        mean = self.decoder(mu + sigma * eps)
+        pixels = self.image_size[0] * self.image_size[1]
+        squares = tf.reduce_sum(tf.reshape(tf.square(images - mean), [-1, pixels]), -1)
+        image = -0.5 * squares / self.pixel_sigma ** 2 - pixels * (math.log(self.pixel_sigma) + 0.5 * _LOG_2PI)
+        kl = 0.5 * tf.reduce_sum(tf.square(mu) + tf.square(sigma) - 1.0 - 2.0 * tf.math.log(sigma), -1)
+        return {"bound": image - kl, "image": image, "kl": kl}
+
+    def get_config(self):
+        return {"image_size": list(self.image_size), "latent": self.latent, "hidden": self.hidden,
+                "pixel_sigma": self.pixel_sigma, "seed": self.seed, "name": self.name}
