@@ -27,6 +27,7 @@ training image, minutes.
   `samples.png` (images drawn from the model).
 """
 
+import json
 import os
 import time
 
@@ -85,18 +86,18 @@ def _batched(step, images):
 class _TestCurve(keras.callbacks.Callback):
     """After each epoch: the bound (one fixed draw) and reconstruction error on the test digits."""
 
-    def __init__(self, model, images, record, label):
+    def __init__(self, model, images, run, label):
         super().__init__()
-        self.images, self.record, self.label = images, record, label
+        self.images, self.run, self.label = images, run, label
         self.step = tf.function(lambda x: {"bound": model.bound(x, seed=tf.constant([0, 0], tf.int64))["bound"],
                                            "mse": tf.reduce_mean(tf.square(model(x)["reconstructions"] - x),
                                                                  axis=(1, 2, 3))})
 
     def on_epoch_end(self, epoch, logs=None):
         found = _batched(self.step, self.images)
-        entry = {"epoch": epoch + 1, "test_bound": float(found["bound"].mean()), "test_mse": float(found["mse"].mean()),
+        entry = {"model": self.label, "epoch": epoch + 1, "test_bound": float(found["bound"].mean()), "test_mse": float(found["mse"].mean()),
                  **{f"train_{k}": float(v) for k, v in (logs or {}).items()}}
-        self.record.append(entry)
+        self.run.append_metrics(entry)
         print(f"[{self.label}] epoch {epoch + 1}: bound {entry['train_bound']:.1f} (test {entry['test_bound']:.1f}), "
               f"mse {entry['train_mse']:.4f} (test {entry['test_mse']:.4f})", flush=True)
 
@@ -104,12 +105,23 @@ class _TestCurve(keras.callbacks.Callback):
 def _fit(name, model, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, settings):
     trainer = VariationalTrainer(model, seed=seed)
     trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=True)
-    record = []
     fit_resumable(trainer, x_train, epochs=epochs, batch_size=batch_size, seed=seed,
                   checkpoint_dir=os.path.join(run.checkpoints, name), checkpoint_config=settings, resume=resume,
-                  fault_log=run.file("faults.jsonl"), callbacks=[_TestCurve(model, x_test, record, name)], verbose=0)
+                  fault_log=run.file("faults.jsonl"), callbacks=[_TestCurve(model, x_test, run, name)], verbose=0)
     save_component(model, os.path.join(run.models, f"{name}.keras"))
-    return record
+    return _curve(run, name)
+
+
+def _curve(run, name):
+    """The per-epoch entries of model `name` in `RUN/metrics.jsonl`, the last of each epoch (a resumed run
+    may have measured an epoch twice)."""
+    by_epoch = {}
+    with open(run.file("metrics.jsonl")) as handle:
+        for line in handle:
+            entry = json.loads(line)
+            if entry.get("model") == name:
+                by_epoch[entry["epoch"]] = entry
+    return [by_epoch[e] for e in sorted(by_epoch)]
 
 
 def count_params(weights):
@@ -132,6 +144,8 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
         if changed:
             raise InputError(f"{run.path} was trained with other {', '.join(changed)}; resume with the same values.")
     run.write_json("config.json", {"kind": KIND, "settings": settings})
+    if not resume and os.path.exists(run.file("metrics.jsonl")):
+        os.remove(run.file("metrics.jsonl"))                            # a new run: its own curves only
     x_train, _ = load_digits(data_dir, "train", canvas)
     x_test, _ = load_digits(data_dir, "test", canvas)
     keras.utils.set_random_seed(seed)
@@ -232,8 +246,8 @@ def _figures(run, capsules, x_test, rotated, rotated_parameters, seed):
     recon = _batched(tf.function(lambda x: {"r": capsules(x)["reconstructions"]}), x_test[show])["r"]
     figures.image_grid(np.stack([x_test[show], recon]), run.file("reconstructions.png"),
                        title="test digits and their reconstructions (encoder means)", row_labels=["data", "recon"])
-    before, after = (_render(capsules, p).numpy()[:10] for p in rotated_parameters)
-    figures.image_grid(np.stack([rotated[:10], before, after]), run.file("rotation.png"),
+    before, after = (_render(capsules, p).numpy()[show] for p in rotated_parameters)
+    figures.image_grid(np.stack([rotated[show], before, after]), run.file("rotation.png"),
                        title="digits rotated by 90 degrees: reconstruction before and after test-time optimisation",
                        row_labels=["rotated", "encoder", "refined"])
     samples = capsules.generative.generate(20, seed=seed)["means"].numpy()

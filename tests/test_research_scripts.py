@@ -1,14 +1,18 @@
-"""The research scripts (routing table, sparse inference, generative capsules, the toy): flags and bad runs."""
+"""The research scripts (routing table, sparse inference, generative and probabilistic capsules, the toy): flags and bad runs."""
 
+import gzip
+import json
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESEARCH = ["compare_routing.py", "sparse_inference.py", "generative_capsules.py", "toy_routing.py"]
+RESEARCH = ["compare_routing.py", "sparse_inference.py", "generative_capsules.py", "toy_routing.py",
+            "probabilistic_capsules.py"]
 ON_A_CAPSNET_RUN = ["sparse_inference.py", "generative_capsules.py"]
 
 
@@ -48,3 +52,58 @@ def test_generative_capsules_checks_its_sizes():
     for flag in ("--parents", "--parent-dim", "--epochs"):
         stderr = _one_error_line(_run("generative_capsules.py", "--run-dir", "r", flag, "0"))
         assert f"{flag} must be >= 1" in stderr
+
+
+def test_probabilistic_capsules_checks_its_flags_and_runs(tmp_path):
+    script = "probabilistic_capsules.py"
+    assert "--data-dir" in _one_error_line(_run(script, "--run-dir", str(tmp_path / "r")))
+    for flag in ("--epochs", "--batch-size", "--canvas"):
+        assert f"{flag} must be >= 1" in _one_error_line(_run(script, "--data-dir", "d", flag, "0"))
+    assert "--learning-rate must be > 0" in _one_error_line(_run(script, "--data-dir", "d", "--learning-rate", "0"))
+    assert "No run directory" in _one_error_line(_run(script, "--evaluate-only", "--run-dir", str(tmp_path / "no")))
+    baseline = tmp_path / "baseline"                    # another kind of run
+    shutil.copytree(os.path.join(ROOT, "docs", "results", "baselines", "hinton2018_small_mnist5k"), baseline)
+    assert "no trained probabilistic capsule model" in _one_error_line(
+        _run(script, "--evaluate-only", "--run-dir", str(baseline)))
+    digits = _tiny_idx(tmp_path / "digits")
+    assert "canvas must be at least" in _one_error_line(
+        _run(script, "--run-dir", str(tmp_path / "small"), "--data-dir", digits, "--canvas", "20"))
+
+
+def _tiny_idx(directory, count=16):
+    """IDX files of `count` 28x28 digits (a bar at a class-dependent place) for both splits."""
+    os.makedirs(directory)
+    rng = np.random.default_rng(0)
+    labels = (np.arange(count) % 4).astype("uint8")
+    images = np.zeros((count, 28, 28), "uint8")
+    for i, label in enumerate(labels):
+        images[i, 4 + 5 * label:8 + 5 * label, 6:22] = rng.integers(128, 256)
+    for prefix in ("train", "t10k"):
+        with gzip.open(os.path.join(directory, f"{prefix}-images-idx3-ubyte.gz"), "wb") as handle:
+            handle.write((2051).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in (count, 28, 28))
+                         + images.tobytes())
+        with gzip.open(os.path.join(directory, f"{prefix}-labels-idx1-ubyte.gz"), "wb") as handle:
+            handle.write((2049).to_bytes(4, "big") + count.to_bytes(4, "big") + labels.tobytes())
+    return str(directory)
+
+
+@pytest.mark.slow
+def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path):
+    digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "run")
+    common = ("--run-dir", run, "--data-dir", digits, "--canvas", "28", "--batch-size", "8", "--tto-steps", "2")
+    first = _run("probabilistic_capsules.py", *common, "--epochs", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _run("probabilistic_capsules.py", *common, "--epochs", "2", "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    with open(os.path.join(run, "train.json")) as handle:
+        train = json.load(handle)
+    assert [e["epoch"] for e in train["curve"]] == [1, 2]          # epoch 1 from the first call, 2 from the resumed one
+    assert train["settings"]["epochs"] == 2
+    assert 0 < train["generative_parameters"] < 30000
+    with open(os.path.join(run, "eval.json")) as handle:
+        found = json.load(handle)
+    assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "vae"}
+    assert set(found["probe_accuracy"]["t0"]) == {"0", "45", "90", "135", "180", "affine"}
+    assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
+    for name in ("templates", "reconstructions", "rotation", "samples"):
+        assert os.path.getsize(os.path.join(run, f"{name}.png")) > 0
