@@ -74,11 +74,12 @@ def even_spread(count, size):
 
 
 def _batched(step, images):
-    """`step` over `images` in batches of `EVAL_BATCH` (the last padded): dict of concatenated NumPy arrays."""
-    parts = []
-    for s in range(0, len(images), EVAL_BATCH):
-        batch = images[s:s + EVAL_BATCH]
-        padded = np.concatenate([batch, np.repeat(batch[:1], EVAL_BATCH - len(batch), 0)])
+    """`step` over `images` in batches of `EVAL_BATCH` or fewer (the last padded to the same size, so that a
+    compiled step sees one shape): dict of concatenated NumPy arrays."""
+    parts, size = [], min(EVAL_BATCH, len(images))
+    for s in range(0, len(images), size):
+        batch = images[s:s + size]
+        padded = np.concatenate([batch, np.repeat(batch[:1], size - len(batch), 0)])
         parts.append({k: v.numpy()[:len(batch)] for k, v in step(tf.constant(padded)).items()})
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
@@ -102,9 +103,9 @@ class _TestCurve(keras.callbacks.Callback):
               f"mse {entry['train_mse']:.4f} (test {entry['test_mse']:.4f})", flush=True)
 
 
-def _fit(name, model, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, settings):
+def _fit(name, model, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, settings, jit_compile):
     trainer = VariationalTrainer(model, seed=seed)
-    trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=True)
+    trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=jit_compile)
     fit_resumable(trainer, x_train, epochs=epochs, batch_size=batch_size, seed=seed,
                   checkpoint_dir=os.path.join(run.checkpoints, name), checkpoint_config=settings, resume=resume,
                   fault_log=run.file("faults.jsonl"), callbacks=[_TestCurve(model, x_test, run, name)], verbose=0)
@@ -129,8 +130,12 @@ def count_params(weights):
 
 
 def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40, data_dir=None, seed=0,
-              resume=False):
-    """Train the capsule model and the VAE on the same digits and budget; write and return `RUN/train.json`."""
+              resume=False, jit_compile=True):
+    """Train the capsule model and the VAE on the same digits and budget; write and return `RUN/train.json`.
+
+    `jit_compile`: compile the training steps with XLA (several times faster per step on a CPU, slower to
+    compile; False suits a few steps).
+    """
     if data_dir is None:
         raise InputError("data_dir is required: a folder of MNIST IDX files (e.g. ../shared/data/mnist-5k).")
     run = RunDir(run_dir)
@@ -152,10 +157,12 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
     start = time.perf_counter()
     capsules = ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules(image_size=(canvas, canvas), seed=seed), seed=seed)
     shape = {"batch_size": batch_size, "canvas": canvas, "seed": seed}
-    curve = _fit("capsules", capsules, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape)
+    curve = _fit("capsules", capsules, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape,
+                 jit_compile)
     capsule_seconds = time.perf_counter() - start
     vae = VariationalAutoencoder(image_size=(canvas, canvas), seed=seed)
-    vae_curve = _fit("vae", vae, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape)
+    vae_curve = _fit("vae", vae, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape,
+                 jit_compile)
     mean_image_mse = float(np.mean(np.square(x_test - x_train.mean(0))))
     generative = count_params(capsules.generative.weights)
     result = {

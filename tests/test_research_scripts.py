@@ -88,20 +88,19 @@ def _tiny_idx(directory, count=16):
 
 
 @pytest.mark.slow
-def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path):
+def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
+    # In one process (the command line's flags and errors are tested above): train one epoch, resume to two.
+    from poecaps.experiments import probabilistic_capsules as study
+
     digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "run")
-    common = ("--run-dir", run, "--data-dir", digits, "--canvas", "28", "--batch-size", "8", "--tto-steps", "2")
-    first = _run("probabilistic_capsules.py", *common, "--epochs", "1")
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _run("probabilistic_capsules.py", *common, "--epochs", "2", "--resume")
-    assert second.returncode == 0, second.stderr[-3000:]
-    with open(os.path.join(run, "train.json")) as handle:
-        train = json.load(handle)
+    study.train_run(run, epochs=1, batch_size=8, canvas=28, data_dir=digits, jit_compile=False)
+    train = study.train_run(run, epochs=2, batch_size=8, canvas=28, data_dir=digits, resume=True, jit_compile=False)
     assert [e["epoch"] for e in train["curve"]] == [1, 2]          # epoch 1 from the first call, 2 from the resumed one
-    assert train["settings"]["epochs"] == 2
-    assert 0 < train["generative_parameters"] < 30000
+    assert "Already trained" not in capsys.readouterr().out
+    assert train["settings"]["epochs"] == 2 and 0 < train["generative_parameters"] < 30000
+    found = study.evaluate_run(run, tto_steps=2)
     with open(os.path.join(run, "eval.json")) as handle:
-        found = json.load(handle)
+        assert json.load(handle) == json.loads(json.dumps(found))
     assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "vae"}
     assert set(found["probe_accuracy"]["t0"]) == {"0", "45", "90", "135", "180", "affine"}
     assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
