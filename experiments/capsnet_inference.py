@@ -25,7 +25,7 @@ import numpy as np
 
 from poecaps import inference
 from poecaps.experiments import figures
-from poecaps.experiments.runs import load_images
+from poecaps.experiments.runs import load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
 from poecaps.metrics import hoyer_sparsity
 
@@ -44,7 +44,7 @@ def batched_infer(model, images, labels, batch_size, **settings):
 
 def even_spread(images, labels, examples):
     """`examples` of `images` at evenly spaced indices (a split may be ordered by class: mnist-5k's test is)."""
-    pick = np.linspace(0, len(images) - 1, min(examples, len(images))).round().astype(int)
+    pick = spread_indices(len(images), examples)
     return images[pick], labels[pick]
 
 

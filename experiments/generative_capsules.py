@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from poecaps import metrics
 from poecaps.experiments import figures
-from poecaps.experiments.runs import load_images
+from poecaps.experiments.runs import load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
 from poecaps.models import GenerativeCapsules
 from poecaps.models.saving import save_component
@@ -86,11 +86,6 @@ def _decoder(parents, images, seed, epochs=30):
     return decoder
 
 
-def _spread(count, size):
-    """`size` indices spread evenly over `count` (mnist-5k's splits are ordered by class)."""
-    return np.linspace(0, count - 1, min(size, count)).round().astype(int)
-
-
 def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32, learning_rate=3e-3,
                      iterations=10, heldout=200, probe_train=1000, seed=0):
     """Learn the generative layer on the run's primary capsules; write and return `generative.json`.
@@ -106,8 +101,8 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
     start = time.perf_counter()
     x_train, x_test = primary_capsules(model, train), primary_capsules(model, test)
     # An even spread of the test split (mnist-5k's is ordered by class) for the held-out bound.
-    pick = _spread(len(x_test), heldout)
-    few = _spread(len(x_train), probe_train)
+    pick = spread_indices(len(x_test), heldout)
+    few = spread_indices(len(x_train), probe_train)
     lengths = np.linalg.norm(x_train, axis=-1)
     layer = GenerativeCapsules(parents, parent_dim, x_train.shape[-1], kappa=5.0,
                                sigma=float(lengths.std()), seed=seed, name="generative_capsules")

@@ -39,7 +39,7 @@ from poecaps import data as data_lib
 from poecaps import metrics, transforms
 from poecaps.errors import InputError
 from poecaps.experiments import figures
-from poecaps.experiments.runs import RunDir
+from poecaps.experiments.runs import RunDir, spread_indices
 from poecaps.models import (
     ProbabilisticCapsuleAutoencoder,
     ProbabilisticCapsules,
@@ -66,11 +66,6 @@ def load_digits(data_dir, split, canvas):
         raise InputError(f"canvas must be at least the digits' size {images.shape[1:3]}. Received: canvas={canvas}")
     before = pad // 2
     return np.pad(images, ((0, 0), (before, pad - before), (before, pad - before), (0, 0))), labels
-
-
-def even_spread(count, size):
-    """`size` indices spread evenly over `count` (mnist-5k's splits are ordered by class)."""
-    return np.linspace(0, count - 1, min(size, count)).round().astype(int)
 
 
 def _batched(step, images):
@@ -125,10 +120,6 @@ def _curve(run, name):
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
-def count_params(weights):
-    return int(sum(np.prod(w.shape) for w in weights))
-
-
 def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40, data_dir=None, seed=0,
               resume=False, jit_compile=True):
     """Train the capsule model and the VAE on the same digits and budget; write and return `RUN/train.json`.
@@ -164,12 +155,12 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
     vae_curve = _fit("vae", vae, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape,
                  jit_compile)
     mean_image_mse = float(np.mean(np.square(x_test - x_train.mean(0))))
-    generative = count_params(capsules.generative.weights)
+    generative = capsules.generative.count_params()
     result = {
         "settings": settings, "train_images": len(x_train), "test_images": len(x_test),
         "generative_parameters": generative,
-        "encoder_parameters": count_params(capsules.weights) - generative,
-        "vae_parameters": count_params(vae.weights),
+        "encoder_parameters": capsules.count_params() - generative,
+        "vae_parameters": vae.count_params(),
         "curve": curve, "vae_curve": vae_curve,
         "test_mse": curve[-1]["test_mse"] if curve else None, "mean_image_test_mse": mean_image_mse,
         "capsule_minutes": capsule_seconds / 60.0, "minutes": (time.perf_counter() - start) / 60.0,
@@ -246,7 +237,7 @@ def test_time_optimisation(capsules, images, rotated, steps, learning_rate, seed
 
 
 def _figures(run, capsules, x_test, rotated, rotated_parameters, seed):
-    show = even_spread(len(x_test), 10)
+    show = spread_indices(len(x_test), 10)
     templates = capsules.generative.templates().numpy()
     drawn = templates[..., :1] * templates[..., 1:]                                    # intensity times alpha
     figures.image_grid(drawn[None], run.file("templates.png"), title="learned templates (intensity x alpha)")
@@ -271,7 +262,7 @@ def evaluate_run(run_dir, tto_images=200, tto_steps=200, tto_learning_rate=0.01,
     x_train, y_train = load_digits(settings["data_dir"], "train", settings["canvas"])
     x_test, y_test = load_digits(settings["data_dir"], "test", settings["canvas"])
     table, tests = probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed)
-    pick = even_spread(len(x_test), tto_images)
+    pick = spread_indices(len(x_test), tto_images)
     tto, rotated_parameters = test_time_optimisation(capsules, tf.constant(x_test[pick]), tests["90"][pick],
                                                      tto_steps, tto_learning_rate, seed)
     print(f"[tto] bound {tto['bound_before']:.1f} -> {tto['bound_after']:.1f}, improved on "

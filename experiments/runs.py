@@ -30,6 +30,11 @@ def load_images(config, split):
     return check_images(data_lib.to_float(images), f"{config.dataset} {split} images"), labels, source
 
 
+def spread_indices(count, size):
+    """`min(size, count)` indices spread evenly over `range(count)` (a split may be ordered by class: mnist-5k's is)."""
+    return np.linspace(0, count - 1, min(size, count)).round().astype(int)
+
+
 class RunDir:
     """Paths and small JSON files of one run directory.
 
