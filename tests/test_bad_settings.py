@@ -1,7 +1,8 @@
 """Bad values for every declared setting, generated from the declarations, through every script.
 
-For each field of each config (and each preset), values outside its range,
-of the wrong type and empty go through the command line that sets it. Each
+For each field of each config, values outside its range, of the wrong type
+and empty go through the command line that sets it (all of them through a
+script's first preset, the first of them through each other preset). Each
 must end in one line, `error: ...` naming the field, exit status 2, and no
 run directory written. A field declared without a range or choices cannot
 exist (`Spec` refuses it), so no field escapes.
@@ -58,12 +59,14 @@ def no_runs(monkeypatch):
 
 @pytest.mark.parametrize("kind, script, main", [("layerwise", "train_layerwise.py", commands.train_layerwise),
                                                  ("baseline", "baseline.py", commands.baseline)])
-def test_every_bad_value_of_every_setting_of_every_preset_is_one_error(tmp_path, capsys, no_runs, record_tries,
+def test_every_bad_value_of_every_setting_through_each_preset_is_one_error(tmp_path, capsys, no_runs, record_tries,
                                                                        kind, script, main):
     tried = 0
-    for preset in presets.names(kind):
+    for index, preset in enumerate(presets.names(kind)):
         for name, spec in specs(presets.get(kind, preset)).items():
-            for value in bad_values(spec):
+            # Every bad value through the first preset; through the others (the same declarations, other
+            # values beside the bad one), the first bad value of each field.
+            for value in bad_values(spec)[:None if index == 0 else 1]:
                 run_dir = str(tmp_path / f"{preset}-{name}")
                 _expect_one_error(capsys, main, ["--preset", preset, "--run-dir", run_dir, "--set",
                                                  f"{name}={value}"], name, run_dir)

@@ -237,11 +237,12 @@ def _tiny_autoencoder():
                                            heads=2, seed=2)
 
 
-def test_the_bound_is_the_sum_of_its_terms_and_its_gradient_reaches_every_weight():
+@pytest.mark.parametrize("training", [False, True])
+def test_the_bound_is_the_sum_of_its_terms_and_its_gradient_reaches_every_weight(training):
     model = _tiny_autoencoder()
     images = tf.constant(np.random.default_rng(0).uniform(size=(3, 12, 12, 1)).astype("float32"))
     with tf.GradientTape() as tape:
-        terms = model.bound(images, seed=tf.constant([3, 4], tf.int64))
+        terms = model.bound(images, seed=tf.constant([3, 4], tf.int64), training=training)
         value = tf.reduce_mean(terms["bound"])
     parts = sum(terms[k] for k in ("image", "parts", "top", "part_entropy", "top_entropy"))
     np.testing.assert_allclose(terms["bound"].numpy(), parts.numpy(), rtol=1e-6)
@@ -250,8 +251,45 @@ def test_the_bound_is_the_sum_of_its_terms_and_its_gradient_reaches_every_weight
     for weight, grad in zip(model.trainable_weights, tape.gradient(value, model.trainable_weights)):
         assert grad is not None and np.any(grad.numpy() != 0), weight.path
     # the same seed draws the same presences: the bound is a deterministic function of it
-    again = model.bound(images, seed=tf.constant([3, 4], tf.int64))["bound"]
+    again = model.bound(images, seed=tf.constant([3, 4], tf.int64), training=training)["bound"]
     np.testing.assert_array_equal(again.numpy(), terms["bound"].numpy())
+
+
+def test_the_top_encoder_standardises_the_parts_over_the_batch_in_training():
+    """Batch statistics in training: shifting every image's part poses and presences by one constant per part
+    and entry changes nothing; outside training (moving statistics) the same shift moves the output."""
+    model = _tiny_autoencoder()
+    rng = np.random.default_rng(5)
+    presence = tf.constant(rng.uniform(0.2, 0.8, (6, 4)).astype("float32"))
+    pose = tf.constant(rng.normal(0.0, 0.05, (6, 4, 6)).astype("float32"))
+    shift_presence = tf.constant(rng.uniform(-0.1, 0.1, (1, 4)).astype("float32"))
+    shift_pose = tf.constant(rng.normal(0.0, 0.5, (1, 4, 6)).astype("float32"))
+    for training, same in ((True, True), (False, False)):
+        before = model.encode_top(presence, pose, training=training)
+        after = model.encode_top(presence + shift_presence, pose + shift_pose, training=training)
+        for b, a in zip(before, after):
+            # float32 rounding of the shifted inputs (|x| < 2, eps 1.2e-7) through two attention blocks
+            assert np.allclose(b.numpy(), a.numpy(), atol=1e-4) == same, (training, np.abs(b - a).numpy().max())
+
+
+def test_a_training_step_updates_the_moving_statistics():
+    from poecaps.trainers.variational import VariationalTrainer
+
+    model = _tiny_autoencoder()
+    images = np.random.default_rng(6).uniform(size=(8, 12, 12, 1)).astype("float32")
+    norm = model.part_normalisation
+    assert np.all(norm.moving_mean.numpy() == 0.0)
+    poses = model.encode_parts(tf.constant(images))[1].numpy()                                 # before the step
+    trainer = VariationalTrainer(model, seed=0)
+    trainer.compile(optimizer=keras.optimizers.Adam(1e-3))
+    trainer.fit(images, epochs=1, batch_size=8, verbose=0)
+    # one step on the whole set: the moving mean moved the share (1 - momentum) of the way from 0 to the
+    # batch mean of the poses the encoder gave before the step (float32 sums in another order: rtol 1e-4);
+    # the presence entries (index 0 of each part's 7) average the step's random draws, not checked here
+    expected = (1.0 - norm.momentum) * poses.mean(0)
+    got = norm.moving_mean.numpy().reshape(4, 7)
+    np.testing.assert_allclose(got[:, 1:], expected, rtol=1e-4, atol=1e-9)
+    assert np.all(got[:, 0] > 0.0)
 
 
 def test_the_trainer_raises_the_bound_and_the_model_saves_and_reloads(tmp_path):

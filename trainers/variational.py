@@ -7,7 +7,7 @@ import tensorflow as tf
 class VariationalTrainer(keras.Model):
     """Raises a model's variational bound jointly in its generative and encoder weights.
 
-    The model gives `bound(images, seed)`, a dict of per-image terms `[B]`
+    The model gives `bound(images, seed, training)`, a dict of per-image terms `[B]`
     named by its `TERMS` (the first is the bound itself), and
     `model(images)["reconstructions"]`, the image decoded from the encoder's
     means: `poecaps.models.ProbabilisticCapsuleAutoencoder` and
@@ -53,7 +53,7 @@ class VariationalTrainer(keras.Model):
         self.draws.assign_add(1)
         pixels = float(images.shape[1] * images.shape[2])
         with tf.GradientTape() as tape:
-            terms = self.model.bound(images, seed=seed)
+            terms = self.model.bound(images, seed=seed, training=True)
             loss = -tf.reduce_mean(terms["bound"]) / pixels
         weights = self.model.trainable_weights
         self.optimizer.apply(tape.gradient(loss, weights), weights)

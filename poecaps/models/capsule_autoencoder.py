@@ -19,10 +19,18 @@ poses can say where a part is), 3x3 convolutions of 32 channels, stride 2,
 a 1x1 convolution giving every part its 7 numbers (presence logit, 6 pose
 entries) and an attention logit at each position, pooled by a softmax over
 the positions (stacked capsule autoencoders' attention pooling). Top
-encoder: each part `(t_j, A_j, one-hot j)` embedded to 128, four induced
+encoder: each part's `(t_j, A_j)` standardised over the batch, per part and
+entry (batch normalisation; moving statistics outside training), then with
+its one-hot index `j` embedded to 128, four induced
 set-attention blocks (32 inducing points, 4 heads, layer norm), pooling by
 attention to one vector, a linear map to 32, then a one-hidden-layer MLP of
 128 units for each variational parameter (presence logits, poses).
+
+The standardisation is not in the spec. The parts' poses differ between
+images by a small fraction of the canvas, beside a one-hot index of size 1;
+read raw, they barely move the top encoder, and training without it made
+the top encoder's output constant, the same top capsules for every image
+(docs/probabilistic_capsules.md).
 
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
@@ -32,6 +40,8 @@ Args:
 
 Call arguments:
     images: `[B, H, W, 1]` in [0, 1].
+    training: batch statistics in the top encoder's standardisation (the
+        trainer passes True to `bound`); otherwise its moving statistics.
 
 Returns (call): dict of the encoders' means (presences `sigmoid(l)`, poses)
 and `reconstructions`, the image rendered from the parts' means.
@@ -100,6 +110,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                                           kernel_initializer=init(i), name=f"part_conv{i}")
                       for i, s in enumerate((2, 2, 1, 1))]
         self.part_head = keras.layers.Conv2D(n * 8, 1, kernel_initializer=init(4), name="part_head")
+        self.part_normalisation = keras.layers.BatchNormalization(name="part_normalisation")
         self.embed = keras.layers.Dense(hidden, kernel_initializer=init(5), name="part_embedding")
         self.isabs = [InducedSetAttention(hidden, heads, inducing, name=f"isab{i}") for i in range(blocks)]
         self.pool = AttentionPooling(hidden, heads, 1, name="pool")
@@ -126,29 +137,32 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         pooled = ops.sum(weights[..., None] * h[..., :7], axis=1)                   # [B, N, 7]
         return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset
 
-    def encode_top(self, part_presence, part_pose):
+    def encode_top(self, part_presence, part_pose, training=False):
         """`(presence logits [B, K], poses A_i [B, K, 6])` of q(t_i, A_i | t_j, A_j)."""
         n = self.generative.num_parts
+        parts = ops.reshape(ops.concatenate([part_presence[..., None], part_pose], axis=-1), (-1, n * 7))
+        parts = ops.reshape(self.part_normalisation(parts, training=training), (-1, n, 7))
         identity = ops.broadcast_to(ops.eye(n)[None], (ops.shape(part_pose)[0], n, n))
-        h = self.embed(ops.concatenate([part_presence[..., None], part_pose, identity], axis=-1))
+        h = self.embed(ops.concatenate([parts, identity], axis=-1))
         for block in self.isabs:
             h = block(h)
         code = self.to_encoding(self.pool(h)[:, 0])
         k = self.generative.num_top
         return self.top_presence_mlp(code), ops.reshape(self.top_pose_mlp(code), (-1, k, 6))
 
-    def call(self, images):
+    def call(self, images, training=False):
         part_logits, part_pose = self.encode_parts(images)
         part_presence = ops.sigmoid(part_logits)
-        top_logits, top_pose = self.encode_top(part_presence, part_pose)
+        top_logits, top_pose = self.encode_top(part_presence, part_pose, training=bool(training))
         return {"part_presence": part_presence, "part_pose": part_pose, "top_presence": ops.sigmoid(top_logits),
                 "top_pose": top_pose, "reconstructions": self.generative.render(part_presence, part_pose)}
 
-    def bound_terms(self, images, part_logits, part_pose, top_logits=None, top_pose=None, seed=None):
+    def bound_terms(self, images, part_logits, part_pose, top_logits=None, top_pose=None, seed=None,
+                    training=False):
         """The bound's terms per image `[B]` at the given variational parameters (one draw of the presences).
 
         Without `top_logits` / `top_pose` the top encoder gives them from the
-        drawn parts. `seed`: a stateless seed `[2]` or None. Keys: `bound`,
+        drawn parts (`training`: with batch statistics). `seed`: a stateless seed `[2]` or None. Keys: `bound`,
         `image` (log p(X | parts)), `parts` (sum_j log p(t_j, P_j | top)),
         `top` (log p(t_i, A_i)), `part_entropy`, `top_entropy` (-log q).
         """
@@ -156,7 +170,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
         part_presence = concrete.sample(part_logits, g.temperature, seeds[0])
         if top_logits is None:
-            top_logits, top_pose = self.encode_top(part_presence, part_pose)
+            top_logits, top_pose = self.encode_top(part_presence, part_pose, training=training)
         top_presence = concrete.sample(top_logits, g.temperature, seeds[1])
         terms = {
             "image": g.image_log_likelihood(images, part_presence, part_pose),
@@ -168,10 +182,10 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         terms["bound"] = terms["image"] + terms["parts"] + terms["top"] + terms["part_entropy"] + terms["top_entropy"]
         return terms
 
-    def bound(self, images, seed=None):
+    def bound(self, images, seed=None, training=False):
         """`bound_terms` at the encoders' output."""
         part_logits, part_pose = self.encode_parts(images)
-        return self.bound_terms(images, part_logits, part_pose, seed=seed)
+        return self.bound_terms(images, part_logits, part_pose, seed=seed, training=training)
 
     def variational_parameters(self, images):
         """The encoders' variational parameters, the starting point of `refine`.

@@ -63,8 +63,12 @@ class VariationalAutoencoder(keras.Model):
         mu, sigma = self.encode(images)
         return {"mu": mu, "sigma": sigma, "reconstructions": self.decoder(mu)}
 
-    def bound(self, images, seed=None):
-        """The bound's terms per image `[B]`: `bound`, `image` (log p(X | z)), `kl`; `seed` a stateless seed or None."""
+    def bound(self, images, seed=None, training=False):
+        """The bound's terms per image `[B]`: `bound`, `image` (log p(X | z)), `kl`; `seed` a stateless seed or None.
+
+        `training` changes nothing (no layer here acts differently in training); the trainer passes it to
+        every model it trains.
+        """
         mu, sigma = self.encode(images)
         eps = (tf.random.normal(tf.shape(mu)) if seed is None
                else tf.random.stateless_normal(tf.shape(mu), seed))
