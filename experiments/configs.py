@@ -129,8 +129,9 @@ class BaselineConfig(DataOptions):
                          "Table 1 network, any routing)", choices=MODELS)
     routing: str | None = setting(None, "the router (default: the model's own, dynamic for capsnet and em for "
                                   "em; routingnet takes any and needs one)", kind=str, choices=ROUTINGS)
-    loss: str = setting("cross_entropy", "routingnet's loss: cross_entropy (activations as logits), spread or "
-                        "margin (capsnet and em keep their papers' losses)", choices=("cross_entropy", "spread", "margin"))
+    loss: str = setting("cross_entropy", "routingnet's loss: cross_entropy (activations as logits), "
+                        "scaled_cross_entropy (times a learned scale), spread or margin (capsnet and em keep their "
+                        "papers' losses)", choices=("cross_entropy", "scaled_cross_entropy", "spread", "margin"))
     epochs: int = setting(1, "training epochs", minimum=1)
     batch_size: int = setting(128, "images per step", minimum=1)
     routing_iterations: int = setting(3, "routing rounds (Sabour's r; EM's rounds, >= 1)", minimum=0)

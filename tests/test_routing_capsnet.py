@@ -102,7 +102,7 @@ def test_invalid_arguments():
         RoutingCapsNet((28, 28, 1), 10, routing="magic")
 
 
-@pytest.mark.parametrize("loss", ["cross_entropy", "spread", "margin"])
+@pytest.mark.parametrize("loss", ["cross_entropy", "scaled_cross_entropy", "spread", "margin"])
 def test_a_trained_network_saves_and_reloads_with_identical_predictions(tmp_path, rng, loss):
     from poecaps.trainers.supervised import SupervisedTrainer
 
@@ -126,6 +126,26 @@ def test_a_trained_network_saves_and_reloads_with_identical_predictions(tmp_path
     for key in ("scores", "poses", "coefficients"):
         np.testing.assert_array_equal(ops.convert_to_numpy(again(images)[key]),
                                       ops.convert_to_numpy(model(images)[key]))
+    if loss == "scaled_cross_entropy":
+        assert float(again.log_logit_scale.numpy()) == float(model.log_logit_scale.numpy()) != 0.0   # learned
+
+
+def test_scaled_cross_entropy_is_softmax_cross_entropy_of_the_scaled_activations(rng):
+    """Against NumPy: -log softmax(s a)_y, s = exp(log_logit_scale); its gradient reaches the scale."""
+    model = RoutingCapsNet((20, 20, 1), 3, routing="uniform", loss="scaled_cross_entropy", filters=8,
+                           primary_types=2, conv_types=3, seed=4)
+    model.log_logit_scale.assign(np.log(7.0))
+    images = rng.uniform(size=(5, 20, 20, 1)).astype("float32")
+    labels = np.array([0, 1, 2, 1, 0])
+    with tf.GradientTape() as tape:
+        loss, scores, terms = model.loss_terms(images, labels)
+    a = 7.0 * ops.convert_to_numpy(scores).astype("float64")
+    expected = np.mean(np.log(np.exp(a).sum(1)) - a[np.arange(5), labels])
+    # float32 logits of size <= 7: the log-sum-exp is exact to about 7 * 1e-7
+    np.testing.assert_allclose(float(loss), expected, atol=1e-5)
+    np.testing.assert_allclose(float(terms["logit_scale"]), 7.0, rtol=1e-6)
+    grad = tape.gradient(loss, model.log_logit_scale)
+    assert grad is not None and float(grad) != 0.0
 
 
 @pytest.mark.parametrize("routing", ["uniform", "dynamic", "sparse_inference"])

@@ -9,7 +9,7 @@ from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
 
-LOSSES = ("cross_entropy", "spread", "margin")
+LOSSES = ("cross_entropy", "scaled_cross_entropy", "spread", "margin")
 # Per capsule layer (ConvCaps1, ConvCaps2, class layer): the paper's settings of each learned router
 # (section 5: Q = 4, 4, 10 Gaussians; Table 2: the hidden sizes of f_c and f_a).
 # Similarity routing starts at lambda1 = 1 and theta1 = 1, not the author's 12 and N(0, 0.1): with those
@@ -78,7 +78,10 @@ class RoutingCapsNet(keras.Model):
     activations.
 
     Losses (`loss_terms`): "cross_entropy" (the author's code: softmax
-    cross-entropy with the class activations as logits), "spread" (Hinton
+    cross-entropy with the class activations as logits), "scaled_cross_entropy"
+    (the same with logits `s a_k`, `s = exp(log_logit_scale)` a learned
+    scale starting at 1: activations in [0, 1] as logits bound the loss
+    below by `log(1 + (K - 1) / e)`, 1.46 for ten classes), "spread" (Hinton
     et al., margin 0.2 -> 0.9 over `margin_steps`) or "margin" (Sabour's).
 
     Args:
@@ -89,7 +92,7 @@ class RoutingCapsNet(keras.Model):
             `layer_routers`) or a sequence of three routers (names, configs
             or instances) for ConvCaps1, ConvCaps2 and the class layer.
         routing_iterations: rounds of each named router (3 in the paper).
-        loss: "cross_entropy", "spread" or "margin".
+        loss: "cross_entropy", "scaled_cross_entropy", "spread" or "margin".
         margin_steps: steps over which the spread loss's margin rises.
         filters, primary_types, conv_types: sizes (64, 8, 16).
         chunk_capsules: lower capsules whose votes and routing are computed
@@ -141,6 +144,8 @@ class RoutingCapsNet(keras.Model):
                                        frobenius_votes=True, chunk_size=chunk(conv_types), name="conv_caps2")
         self.class_capsules = CapsuleDense(num_classes, 16, routing=routers[2], pose="matrix",
                                            kernel_initializer=init(3), frobenius_votes=True, name="class_capsules")
+        if loss == "scaled_cross_entropy":
+            self.log_logit_scale = self.add_weight(name="log_logit_scale", shape=(), initializer="zeros")
         self.build()
 
     def build(self, input_shape=None):
@@ -153,6 +158,8 @@ class RoutingCapsNet(keras.Model):
 
     @property
     def loss_term_names(self):
+        if self.loss == "scaled_cross_entropy":
+            return ("scaled_cross_entropy_loss", "logit_scale")
         return ("spread_loss", "margin") if self.loss == "spread" else (f"{self.loss}_loss",)
 
     def encode(self, images, training=None):
@@ -177,6 +184,10 @@ class RoutingCapsNet(keras.Model):
             margin = losses.spread_margin(self.margin_steps if step is None else step, self.margin_steps)
             loss = ops.mean(losses.spread_loss(labels, scores, margin))
             return loss, scores, {"spread_loss": loss, "margin": margin}
+        if self.loss == "scaled_cross_entropy":
+            scale = ops.exp(self.log_logit_scale)
+            loss = ops.mean(losses.softmax_cross_entropy(labels, scale * scores))
+            return loss, scores, {"scaled_cross_entropy_loss": loss, "logit_scale": scale}
         if self.loss == "margin":
             loss = ops.mean(losses.margin_loss(labels, scores))
         else:
