@@ -1,6 +1,6 @@
 """What the top capsules of a trained probabilistic capsule run carry: per-image spread of every latent.
 
-Usage: python docs/studies/probabilistic_diagnosis.py RUN [--every 4]
+Usage: python docs/studies/probabilistic_diagnosis.py RUN [--every 4] [--untrained]
 
 Reads `RUN/models/capsules.keras` and the run's test digits (every
 `every`-th), and writes `RUN/diagnosis.json`: for the top and the part
@@ -12,6 +12,10 @@ presences `p_i`; the posterior share of the parts each parent explains
 (index 0 the dummy); the mean pose spread `c_ij`; and the top presences
 averaged over each class. A top layer that says nothing about the image
 has standard deviations near 0 and the same row for every class.
+
+`--untrained` measures instead a model built as the run's was, before
+training (the code's current architecture, the run's seed), and writes
+`RUN/diagnosis_untrained.json`.
 """
 
 import argparse
@@ -22,14 +26,20 @@ import numpy as np
 import tensorflow as tf
 
 from poecaps.experiments import probabilistic_capsules as study
+from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsules
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
     p.add_argument("--every", type=int, default=4)
+    p.add_argument("--untrained", action="store_true")
     args = p.parse_args()
     run, settings, capsules, _ = study.load_trained(args.run_dir)
+    if args.untrained:
+        canvas, seed = settings["canvas"], settings["seed"]
+        capsules = ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules(image_size=(canvas, canvas), seed=seed),
+                                                   seed=seed)
     x, y = study.load_digits(settings["data_dir"], "test", settings["canvas"])
     x, y = tf.constant(x[::args.every]), y[::args.every]
     found = capsules.variational_parameters(x)
@@ -52,7 +62,8 @@ def main():
         "pose_spread_mean": float(g.spreads().numpy().mean()),
         "top_presence_by_class": {str(k): r(top[y == k].mean(0)) for k in range(10)},
     }
-    with open(os.path.join(run.path, "diagnosis.json"), "w") as handle:
+    name = "diagnosis_untrained.json" if args.untrained else "diagnosis.json"
+    with open(os.path.join(run.path, name), "w") as handle:
         json.dump(result, handle, indent=2)
     print(json.dumps(result, indent=2))
 
