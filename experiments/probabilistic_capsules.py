@@ -120,6 +120,16 @@ def _curve(run, name):
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
+def build_capsules(canvas, seed):
+    """The capsule model a run trains: the spec's sizes on a `canvas` x `canvas` frame, weights from `seed`.
+
+    Seeds Keras's global generator with `seed` first (some encoder layers draw their initial weights from
+    it), so the same `seed` builds the same weights.
+    """
+    keras.utils.set_random_seed(seed)
+    return ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules(image_size=(canvas, canvas), seed=seed), seed=seed)
+
+
 def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40, data_dir=None, seed=0,
               resume=False, jit_compile=True):
     """Train the capsule model and the VAE on the same digits and budget; write and return `RUN/train.json`.
@@ -144,9 +154,8 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
         os.remove(run.file("metrics.jsonl"))                            # a new run: its own curves only
     x_train, _ = load_digits(data_dir, "train", canvas)
     x_test, _ = load_digits(data_dir, "test", canvas)
-    keras.utils.set_random_seed(seed)
     start = time.perf_counter()
-    capsules = ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules(image_size=(canvas, canvas), seed=seed), seed=seed)
+    capsules = build_capsules(canvas, seed)
     shape = {"batch_size": batch_size, "canvas": canvas, "seed": seed}
     curve = _fit("capsules", capsules, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape,
                  jit_compile)

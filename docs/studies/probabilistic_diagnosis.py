@@ -26,7 +26,6 @@ import numpy as np
 import tensorflow as tf
 
 from poecaps.experiments import probabilistic_capsules as study
-from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsules
 
 
 def main():
@@ -37,9 +36,7 @@ def main():
     args = p.parse_args()
     run, settings, capsules, _ = study.load_trained(args.run_dir)
     if args.untrained:
-        canvas, seed = settings["canvas"], settings["seed"]
-        capsules = ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules(image_size=(canvas, canvas), seed=seed),
-                                                   seed=seed)
+        capsules = study.build_capsules(settings["canvas"], settings["seed"])
     x, y = study.load_digits(settings["data_dir"], "test", settings["canvas"])
     x, y = tf.constant(x[::args.every]), y[::args.every]
     found = capsules.variational_parameters(x)
