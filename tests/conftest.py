@@ -25,6 +25,17 @@ def mnist_dir():
     return path
 
 
+@pytest.fixture
+def quick_error_exits(monkeypatch):
+    """`cli.run_main` collects garbage before it prints an error, to finalise a training loop the error
+    interrupted. In a test process holding many TensorFlow graphs a full collection takes a good part of
+    a second; sweeps of hundreds of bad inputs, which start no training, skip it."""
+    import types
+
+    from poecaps.experiments import cli
+    monkeypatch.setattr(cli, "gc", types.SimpleNamespace(collect=lambda: 0))
+
+
 # What the generated bad-input tests tried, per script, printed at the end of the run.
 _TRIES = {}
 

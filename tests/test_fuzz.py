@@ -104,6 +104,7 @@ JUNK = ["", "-1", "0", "1", "2.5", "1e30", "nan", "true", "none", "delta", "winn
         "{}", "\u00e9t\u00e9", "3 4"]
 
 
+@pytest.mark.usefixtures("quick_error_exits")
 def test_random_command_lines_from_the_declarations(tmp_path, capsys, monkeypatch, record_tries):
     """1-4 settings set to values drawn from the declarations' own examples and from junk: the run gets
     exactly the values typed, or the command ends in one line of error naming a setting or flag."""
@@ -152,6 +153,7 @@ def test_random_command_lines_from_the_declarations(tmp_path, capsys, monkeypatc
         record_tries(script, "random command lines", count)
 
 
+@pytest.mark.usefixtures("quick_error_exits")
 def test_random_run_directories(tmp_path, capsys, record_tries):
     """config.json and state.json of random content, models of random bytes: sample, evaluate and
     baseline evaluation answer in one line (none of these directories holds a usable run)."""

@@ -10,6 +10,8 @@ import pytest
 from poecaps.experiments import baseline_evaluation, baselines, commands, layerwise
 from poecaps.experiments.configs import BaselineConfig, LayerwiseConfig
 
+pytestmark = pytest.mark.usefixtures("quick_error_exits")
+
 TINY = {"filters": 4, "kernel_size": 3, "capsule_dim": 2, "num_capsules": 2, "upper_dim": 2, "batch_size": 8,
         "heldout_size": 4, "jit_cd": False, "encoder_epochs": 1, "decoder_epochs": 1}
 TINY_SET = [a for k, v in TINY.items() for a in ("--set", f"{k}={str(v).lower()}")]
