@@ -36,6 +36,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--routing", choices=("similarity", "connectionist"), required=True)
     p.add_argument("--loss", choices=LOSSES, required=True)
+    p.add_argument("--logit-scale", type=float, default=1.0, help="initial scale of scaled_cross_entropy")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data",
@@ -47,7 +48,8 @@ def main():
     images = data.to_float(images)
     train, validation = split(len(images))
     batch, steps = 32, int(np.ceil(len(train) / 32))
-    network = RoutingCapsNet((28, 28, 1), 10, routing=args.routing, loss=args.loss, margin_steps=args.epochs * steps,
+    network = RoutingCapsNet((28, 28, 1), 10, routing=args.routing, loss=args.loss, logit_scale=args.logit_scale,
+                             margin_steps=args.epochs * steps,
                              seed=args.seed)
     trainer = SupervisedTrainer(network, max_shift=2, seed=args.seed)
     schedule = keras.optimizers.schedules.ExponentialDecay(3e-3, steps, 0.96)
@@ -55,11 +57,12 @@ def main():
     start = time.perf_counter()
     history = trainer.fit(images[train], labels[train], batch_size=batch, epochs=args.epochs,
                           validation_data=(images[validation], labels[validation]), verbose=2)
-    result = {"routing": args.routing, "loss": args.loss, "epochs": args.epochs, "seed": args.seed,
+    result = {"routing": args.routing, "loss": args.loss, "logit_scale_start": args.logit_scale, "epochs": args.epochs, "seed": args.seed,
               "train_images": len(train), "validation_images": len(validation),
               "seconds": time.perf_counter() - start, **{k: [float(v) for v in vs] for k, vs in history.history.items()}}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.routing}-{args.loss}.json"), "w") as handle:
+    suffix = "" if args.logit_scale == 1.0 else f"-start{args.logit_scale:g}"
+    with open(os.path.join(args.out, f"{args.routing}-{args.loss}{suffix}.json"), "w") as handle:
         json.dump(result, handle, indent=2)
     print(json.dumps(result))
 

@@ -1,5 +1,7 @@
 """The network of Faria's Table 1, which takes any router: the architecture of the routing comparison."""
 
+import math
+
 import keras
 from keras import ops
 
@@ -80,8 +82,8 @@ class RoutingCapsNet(keras.Model):
     Losses (`loss_terms`): "cross_entropy" (the author's code: softmax
     cross-entropy with the class activations as logits), "scaled_cross_entropy"
     (the same with logits `s a_k`, `s = exp(log_logit_scale)` a learned
-    scale starting at 1: activations in [0, 1] as logits bound the loss
-    below by `log(1 + (K - 1) / e)`, 1.46 for ten classes), "spread" (Hinton
+    scale starting at `logit_scale`: activations in [0, 1] as logits bound
+    the loss below by `log(1 + (K - 1) / e)`, 1.46 for ten classes), "spread" (Hinton
     et al., margin 0.2 -> 0.9 over `margin_steps`) or "margin" (Sabour's).
 
     Args:
@@ -93,6 +95,11 @@ class RoutingCapsNet(keras.Model):
             or instances) for ConvCaps1, ConvCaps2 and the class layer.
         routing_iterations: rounds of each named router (3 in the paper).
         loss: "cross_entropy", "scaled_cross_entropy", "spread" or "margin".
+        logit_scale: the initial scale `s` of "scaled_cross_entropy" (> 0).
+            Adam moves `log s` by about the learning rate a step, so the
+            start sets how soon the activations' [0, 1] range can express a
+            confident class: with `s` the best probability is
+            `e^s / (e^s + K - 1)` (1: 0.23 for ten classes; 10: 0.9996).
         margin_steps: steps over which the spread loss's margin rises.
         filters, primary_types, conv_types: sizes (64, 8, 16).
         chunk_capsules: lower capsules whose votes and routing are computed
@@ -111,16 +118,19 @@ class RoutingCapsNet(keras.Model):
     """
 
     def __init__(self, image_shape, num_classes, routing="similarity", routing_iterations=3,
-                 loss="cross_entropy", margin_steps=10000, filters=64, primary_types=8, conv_types=16,
+                 loss="cross_entropy", logit_scale=1.0, margin_steps=10000, filters=64, primary_types=8, conv_types=16,
                  chunk_capsules=None, seed=0, **kwargs):
         super().__init__(**kwargs)
         check_classifier_arguments(image_shape, num_classes)
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}. Received: loss={loss!r}")
+        if not logit_scale > 0:
+            raise ValueError(f"logit_scale must be positive. Received: logit_scale={logit_scale!r}")
         self.image_shape = tuple(image_shape)
         self.num_classes = num_classes
         self.routing_iterations = routing_iterations
         self.loss = loss
+        self.logit_scale = float(logit_scale)
         self.margin_steps = margin_steps
         self.filters, self.primary_types, self.conv_types = filters, primary_types, conv_types
         self.chunk_capsules = chunk_capsules
@@ -145,7 +155,8 @@ class RoutingCapsNet(keras.Model):
         self.class_capsules = CapsuleDense(num_classes, 16, routing=routers[2], pose="matrix",
                                            kernel_initializer=init(3), frobenius_votes=True, name="class_capsules")
         if loss == "scaled_cross_entropy":
-            self.log_logit_scale = self.add_weight(name="log_logit_scale", shape=(), initializer="zeros")
+            self.log_logit_scale = self.add_weight(name="log_logit_scale", shape=(),
+                                                   initializer=keras.initializers.Constant(math.log(logit_scale)))
         self.build()
 
     def build(self, input_shape=None):
@@ -198,6 +209,7 @@ class RoutingCapsNet(keras.Model):
         return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
                 "routing": [keras.saving.serialize_keras_object(r) for r in self.routers],
                 "routing_iterations": self.routing_iterations, "loss": self.loss,
+                "logit_scale": self.logit_scale,
                 "margin_steps": self.margin_steps, "filters": self.filters, "primary_types": self.primary_types,
                 "conv_types": self.conv_types, "chunk_capsules": self.chunk_capsules, "seed": self.seed,
                 "name": self.name}
