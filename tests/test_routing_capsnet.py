@@ -96,6 +96,8 @@ def test_every_routing_weight_gets_a_gradient(rng, routing):
 def test_invalid_arguments():
     with pytest.raises(ValueError, match="Received: loss='hinge'"):
         RoutingCapsNet((28, 28, 1), 10, loss="hinge")
+    with pytest.raises(ValueError, match="Received: logit_scale=0"):
+        RoutingCapsNet((28, 28, 1), 10, loss="scaled_cross_entropy", logit_scale=0)
     with pytest.raises(ValueError, match="one router per capsule layer"):
         RoutingCapsNet((28, 28, 1), 10, routing=["uniform", "uniform"])
     with pytest.raises(ValueError, match="Unknown routing"):
@@ -109,8 +111,8 @@ def test_a_trained_network_saves_and_reloads_with_identical_predictions(tmp_path
     routers = [SimilarityRouting(2, num_kernels=3, entropy_weight=2.0, seed=5),
                ConnectionistRouting(2, units=4, compatibility_hidden=(3,), activation_hidden=(5,), seed=6),
                EMRouting(2, final_lambda=0.5, cost_normalization="standardize")]
-    model = RoutingCapsNet((20, 20, 1), 3, routing=routers, loss=loss, margin_steps=7, filters=8,
-                           primary_types=2, conv_types=3, seed=4)
+    model = RoutingCapsNet((20, 20, 1), 3, routing=routers, loss=loss, logit_scale=3.0, margin_steps=7,
+                           filters=8, primary_types=2, conv_types=3, seed=4)
     images = rng.uniform(size=(16, 20, 20, 1)).astype("float32")
     labels = rng.integers(0, 3, 16)
     trainer = SupervisedTrainer(model)
@@ -127,14 +129,15 @@ def test_a_trained_network_saves_and_reloads_with_identical_predictions(tmp_path
         np.testing.assert_array_equal(ops.convert_to_numpy(again(images)[key]),
                                       ops.convert_to_numpy(model(images)[key]))
     if loss == "scaled_cross_entropy":
-        assert float(again.log_logit_scale.numpy()) == float(model.log_logit_scale.numpy()) != 0.0   # learned
+        learned = float(model.log_logit_scale.numpy())
+        assert float(again.log_logit_scale.numpy()) == learned != np.float32(np.log(3.0))     # learned
 
 
 def test_scaled_cross_entropy_is_softmax_cross_entropy_of_the_scaled_activations(rng):
-    """Against NumPy: -log softmax(s a)_y, s = exp(log_logit_scale); its gradient reaches the scale."""
-    model = RoutingCapsNet((20, 20, 1), 3, routing="uniform", loss="scaled_cross_entropy", filters=8,
-                           primary_types=2, conv_types=3, seed=4)
-    model.log_logit_scale.assign(np.log(7.0))
+    """Against NumPy: -log softmax(s a)_y, s = exp(log_logit_scale) starting at logit_scale; its gradient
+    reaches the scale."""
+    model = RoutingCapsNet((20, 20, 1), 3, routing="uniform", loss="scaled_cross_entropy", logit_scale=7.0,
+                           filters=8, primary_types=2, conv_types=3, seed=4)
     images = rng.uniform(size=(5, 20, 20, 1)).astype("float32")
     labels = np.array([0, 1, 2, 1, 0])
     with tf.GradientTape() as tape:
