@@ -53,6 +53,7 @@ def build_network(config, image_shape, num_classes, steps_per_epoch):
         routers = layer_routers(config.router, config.routing_iterations, config.seed, **options)
         return RoutingCapsNet(image_shape, num_classes, routing=routers,
                               routing_iterations=config.routing_iterations, loss=config.loss,
+                              logit_scale=config.logit_scale,
                               margin_steps=max(1, config.epochs * steps_per_epoch), seed=config.seed)
     if config.model == "capsnet":
         return CapsNet(image_shape, num_classes, routing_iterations=config.routing_iterations,

@@ -132,6 +132,8 @@ class BaselineConfig(DataOptions):
     loss: str = setting("cross_entropy", "routingnet's loss: cross_entropy (activations as logits), "
                         "scaled_cross_entropy (times a learned scale), spread or margin (capsnet and em keep their "
                         "papers' losses)", choices=("cross_entropy", "scaled_cross_entropy", "spread", "margin"))
+    logit_scale: float = setting(1.0, "routingnet's scaled_cross_entropy: where its learned scale starts",
+                                 above=0.0)
     epochs: int = setting(1, "training epochs", minimum=1)
     batch_size: int = setting(128, "images per step", minimum=1)
     routing_iterations: int = setting(3, "routing rounds (Sabour's r; EM's rounds, >= 1)", minimum=0)

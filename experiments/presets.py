@@ -124,9 +124,9 @@ def hinton2018():
 
 
 def _faria2019(routing):
-    return dataclasses.replace(BaselineConfig(), model="routingnet", routing=routing, loss="cross_entropy",
-                               routing_iterations=3, epochs=5, batch_size=32, learning_rate=3e-3, decay_rate=0.96,
-                               max_shift=2)
+    return dataclasses.replace(BaselineConfig(), model="routingnet", routing=routing, loss="scaled_cross_entropy",
+                               logit_scale=10.0, routing_iterations=3, epochs=5, batch_size=32, learning_rate=3e-3,
+                               decay_rate=0.96, max_shift=2)
 
 
 @_preset("baseline", "faria2019-similarity")
@@ -139,7 +139,13 @@ def faria2019_similarity():
     pixels; from the author's code: softmax cross-entropy on the class
     activations. The paper trains 100 epochs on a GPU; here 5 epochs of
     batch 32 (the routing comparison's budget), decay 0.96 per epoch
-    (the paper gives no rate).
+    (the paper gives no rate). Departure, in every routing network preset:
+    the activations are multiplied by a learned scale starting at 10
+    before the softmax (`loss="scaled_cross_entropy"`, `logit_scale=10`);
+    activations in [0, 1] as logits cannot express a confident class, and
+    in the budget a scale starting at 1 grows too slowly (held-out training
+    digits, docs/routing_table.md: similarity 54.7 % -> 92.8 %,
+    connectionist 87.9 % at a start of 1 -> 91.1 %).
     """
     return _faria2019("similarity")
 
