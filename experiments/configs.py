@@ -22,7 +22,7 @@ DOMAINS = ("full", "restricted", "winning")
 MODELS = ("capsnet", "em", "routingnet")
 # Routers a baseline can use (`poecaps.routing.get`); CapsNet routes dynamically, matrix capsules by EM,
 # the routing network (`poecaps.models.RoutingCapsNet`) by any of them.
-ROUTINGS = ("dynamic", "uniform", "em", "similarity", "connectionist", "sparse_inference")
+ROUTINGS = ("dynamic", "uniform", "em", "similarity", "connectionist", "sparse_inference", "generative")
 MODEL_ROUTINGS = {"capsnet": ("dynamic",), "em": ("em",), "routingnet": ROUTINGS}
 
 

@@ -186,6 +186,19 @@ def faria2019_sparse_inference():
     return _faria2019("sparse_inference")
 
 
+@_preset("baseline", "faria2019-generative")
+def faria2019_generative():
+    """The Table 1 network routed by MAP-EM inversion of a generative capsule model (Kiefer et al. section 4).
+
+    `poecaps.routing.GenerativeRouting` in every capsule layer: each child's
+    vote has a von Mises-Fisher direction and a Gaussian length around the
+    parent it picks, parents N(0, I); 3 exact E/M rounds; concentration 5
+    and length spread 0.25 to start, learned per parent type. Otherwise
+    `faria2019-similarity`.
+    """
+    return _faria2019("generative")
+
+
 def names(kind):
     """`{preset name: first line of its docstring}` for `kind` ("layerwise" or "baseline")."""
     return {name: (function.__doc__ or "").strip().splitlines()[0]

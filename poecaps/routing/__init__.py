@@ -5,8 +5,9 @@
 (one round of dynamic routing: uniform coefficients, the no-routing
 ablation), `"em"` (EM routing of matrix capsules), `"similarity"` and
 `"connectionist"` (Faria's learned routings), `"sparse_inference"` (parents
-inferred by descent on an energy, Kiefer et al.), a config dict, or a
-`Routing` instance.
+inferred by descent on an energy, Kiefer et al.), `"generative"` (MAP-EM
+inversion of a generative capsule model, Kiefer et al. section 4), a config
+dict, or a `Routing` instance.
 """
 
 import keras
@@ -15,6 +16,7 @@ from poecaps.routing.base import Routing, RoutingResult
 from poecaps.routing.connectionist import ConnectionistRouting
 from poecaps.routing.dynamic import DynamicRouting
 from poecaps.routing.em import EMRouting
+from poecaps.routing.generative import GenerativeRouting
 from poecaps.routing.similarity import SimilarityRouting
 from poecaps.routing.sparse_inference import SparseInferenceRouting
 from poecaps.routing.top_down import TopDownAttention
@@ -28,6 +30,7 @@ _REGISTRY = {
     "similarity": lambda **kw: SimilarityRouting(**kw),
     "connectionist": lambda **kw: ConnectionistRouting(**kw),
     "sparse_inference": lambda **kw: SparseInferenceRouting(**kw),
+    "generative": lambda **kw: GenerativeRouting(**kw),
 }
 
 
@@ -45,5 +48,5 @@ def get(identifier, **kwargs):
     )
 
 
-__all__ = ["ConnectionistRouting", "DynamicRouting", "EMRouting", "Routing", "RoutingResult",
+__all__ = ["ConnectionistRouting", "DynamicRouting", "EMRouting", "GenerativeRouting", "Routing", "RoutingResult",
            "SimilarityRouting", "SparseInferenceRouting", "TopDownAttention", "get"]
