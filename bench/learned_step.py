@@ -2,8 +2,9 @@
 
 Batch 32, 28x28x1, 10 classes, 3 routing iterations, softmax cross-entropy on
 the class activations, Adam. For each learned router (similarity,
-connectionist), poecaps runs `RoutingCapsNet` as the pipeline does (one XLA
-computation, convolutional capsule layers in chunks of 1024 lower capsules);
+connectionist), poecaps runs `RoutingCapsNet` as one XLA computation with its
+convolutional capsule layers in chunks of 1024 lower capsules (the pipeline's
+two concurrent XLA shards were no faster here: docs/benchmarks.md);
 the reference, in this file, is written as the author's TensorFlow code is:
 receptive fields extracted by `tf.image.extract_patches`, votes from pose
 matrices and transformation matrices tiled to one small matmul per vote,
