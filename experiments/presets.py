@@ -181,7 +181,7 @@ def faria2019_sparse_inference():
     Trains exactly as `faria2019-uniform` (the router returns the
     feed-forward prediction while training); at test time the class
     capsules descend 500 steps (0.01) on the energy of
-    `poecaps.routing.SparseInferenceRouting` with L1 weight 0.5.
+    `poecaps.routing.SparseInferenceRouting` with L1 weight 1 (the router's default).
     """
     return _faria2019("sparse_inference")
 
