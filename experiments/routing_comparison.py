@@ -6,7 +6,10 @@ them, so a new router joins the table by adding one preset. Each row trains
 into `ROOT/<preset>` with the same overrides (data, epochs, seed), is
 evaluated by `evaluate_baseline`, and the table is written to
 `ROOT/routing_table.md` and `ROOT/routing_table.json`. A row whose run is
-already trained and evaluated with the same settings is read, not redone.
+already trained and evaluated with the same settings is read, not redone; one
+trained but not evaluated is evaluated; one stopped while training (its
+`config.json` has the same settings) resumes from its last checkpoint. A row
+whose run has other settings is trained again from the start.
 """
 
 import dataclasses
@@ -25,15 +28,18 @@ HEADER = ("routing", "test accuracy", "affine", "rotated 45 / 90 / 180", "parame
           "s / step", "step peak MiB", "entropy / log n: init -> trained")
 
 
+def _has_settings(run_dir, name, config):
+    """True if the run's `name` (`config.json` or `state.json`) records exactly `config`'s settings."""
+    if not os.path.exists(os.path.join(run_dir, name)):
+        return False
+    return RunDir(run_dir, create=False).read_json(name, {}).get("settings") == dataclasses.asdict(config)
+
+
 def _done(run_dir, config):
-    """The run's `eval.json` if it was trained to the end with `config`'s settings, else None."""
-    if not os.path.exists(os.path.join(run_dir, "eval.json")):
+    """The run's `eval.json` if it was trained to the end with `config`'s settings and evaluated, else None."""
+    if not (_has_settings(run_dir, "state.json", config) and os.path.exists(os.path.join(run_dir, "eval.json"))):
         return None
-    run = RunDir(run_dir, create=False)
-    state = run.read_json("state.json", {})
-    if state.get("settings") != dataclasses.asdict(config):
-        return None
-    return run.read_json("eval.json")
+    return RunDir(run_dir, create=False).read_json("eval.json")
 
 
 def row(name, result):
@@ -80,14 +86,18 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
     for name, config in configs.items():
         run_dir = os.path.join(root, name)
         found = _done(run_dir, config)
-        if found is None:
-            print(f"[routing table] {name}: training into {run_dir}", flush=True)
-            record = {"kind": "baseline", "preset": name,
-                      "overrides": {field: getattr(config, field) for field in settings}}
-            train_baseline(config, run_dir, record)
-            found = evaluate_baseline(run_dir, evaluation or BaselineEvaluationConfig())
-        else:
+        if found is not None:
             print(f"[routing table] {name}: already trained and evaluated in {run_dir}", flush=True)
+        else:
+            if _has_settings(run_dir, "state.json", config):
+                print(f"[routing table] {name}: already trained in {run_dir}; evaluating", flush=True)
+            else:
+                resume = _has_settings(run_dir, "config.json", config)
+                print(f"[routing table] {name}: {'resuming' if resume else 'training'} into {run_dir}", flush=True)
+                record = {"kind": "baseline", "preset": name,
+                          "overrides": {field: getattr(config, field) for field in settings}}
+                train_baseline(config, run_dir, record, resume=resume)
+            found = evaluate_baseline(run_dir, evaluation or BaselineEvaluationConfig())
         results[name] = found
     table = markdown([row(name, result) for name, result in results.items()])
     with open(os.path.join(root, "routing_table.md"), "w") as handle:

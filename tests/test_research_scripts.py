@@ -106,3 +106,59 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
     for name in ("templates", "reconstructions", "rotation", "samples"):
         assert os.path.getsize(os.path.join(run, f"{name}.png")) > 0
+
+
+@pytest.mark.slow
+def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, monkeypatch):
+    # One row (no routing: the cheapest) on 16 tiny digits, 1 step per epoch; each call finds the run
+    # in another state: evaluated, trained only, stopped while training, or trained with other settings.
+    from poecaps.experiments import routing_comparison as table
+
+    digits, root = _tiny_idx(tmp_path / "digits"), str(tmp_path / "table")
+    run = os.path.join(root, "faria2019-uniform")
+    settings = {"dataset": "mnist", "data_dir": digits, "epochs": 2, "jit_compile": "false", "shards": 1}
+    evaluation = table.BaselineEvaluationConfig(test_limit=16)
+    real_train, real_evaluate = table.train_baseline, table.evaluate_baseline
+    calls = []
+
+    def train(config, run_dir, record, resume=False):
+        calls.append(("train", resume))
+        return real_train(config, run_dir, record, resume=resume)
+
+    def evaluate(run_dir, config):
+        calls.append(("evaluate",))
+        return real_evaluate(run_dir, config)
+
+    def crash(run_dir, config):
+        raise RuntimeError("stopped before the evaluation")
+
+    def state():
+        with open(os.path.join(run, "state.json")) as handle:
+            return json.load(handle)
+
+    monkeypatch.setattr(table, "train_baseline", train)
+    monkeypatch.setattr(table, "evaluate_baseline", crash)
+    with pytest.raises(RuntimeError):                    # trained two epochs, stopped before its evaluation
+        table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)
+    assert calls == [("train", False)] and state()["epochs_this_call"] == 2
+    assert not os.path.exists(os.path.join(run, "eval.json"))
+
+    monkeypatch.setattr(table, "evaluate_baseline", evaluate)
+    calls.clear()                                        # trained: evaluated, not trained again
+    results, printed = table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)
+    assert calls == [("evaluate",)] and state()["epochs_this_call"] == 2
+    assert "| faria2019-uniform |" in printed and results["faria2019-uniform"]["routing"]["router"] == "uniform"
+
+    calls.clear()                                        # evaluated: read
+    again, _ = table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)
+    assert calls == [] and again == results
+
+    for name in ("state.json", "eval.json"):             # stopped while training, after its checkpoints
+        os.remove(os.path.join(run, name))
+    table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)
+    assert calls == [("train", True), ("evaluate",)]
+    assert state()["epochs_this_call"] == 0              # went on from the last checkpoint: nothing left
+
+    calls.clear()                                        # other settings: trained again from the start
+    table.compare_routing(root, {**settings, "seed": 1}, ["faria2019-uniform"], evaluation)
+    assert calls == [("train", False), ("evaluate",)] and state()["epochs_this_call"] == 2
