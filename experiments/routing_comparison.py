@@ -35,13 +35,6 @@ def _has_settings(run_dir, name, config):
     return RunDir(run_dir, create=False).read_json(name, {}).get("settings") == dataclasses.asdict(config)
 
 
-def _done(run_dir, config):
-    """The run's `eval.json` if it was trained to the end with `config`'s settings and evaluated, else None."""
-    if not (_has_settings(run_dir, "state.json", config) and os.path.exists(os.path.join(run_dir, "eval.json"))):
-        return None
-    return RunDir(run_dir, create=False).read_json("eval.json")
-
-
 def row(name, result):
     """One table row (strings) from a run's `eval.json`."""
     train, routing, params = result["train"], result["routing"], result["parameters"]
@@ -85,11 +78,12 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
     results = {}
     for name, config in configs.items():
         run_dir = os.path.join(root, name)
-        found = _done(run_dir, config)
-        if found is not None:
+        trained = _has_settings(run_dir, "state.json", config)
+        if trained and os.path.exists(os.path.join(run_dir, "eval.json")):
             print(f"[routing table] {name}: already trained and evaluated in {run_dir}", flush=True)
+            found = RunDir(run_dir, create=False).read_json("eval.json")
         else:
-            if _has_settings(run_dir, "state.json", config):
+            if trained:
                 print(f"[routing table] {name}: already trained in {run_dir}; evaluating", flush=True)
             else:
                 resume = _has_settings(run_dir, "config.json", config)
