@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from poecaps import inference
+from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.runs import load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
@@ -67,8 +68,14 @@ def calibrate_l1(model, images, labels, grid=L1_GRID, batch_size=250, **settings
     Returns:
         `(weight, record)`, `record` holding the digits' feed-forward
         accuracy and each tried weight's accuracy.
+
+    Raises:
+        InputError: `grid` is empty or holds a negative or non-finite weight.
     """
-    accuracies, feed_forward = {}, None
+    grid = tuple(grid)
+    if not grid or not all(np.isfinite(w) and w >= 0 for w in grid):
+        raise InputError(f"grid must hold at least one finite L1 weight >= 0. Received: {grid}")
+    accuracies, feed_forward, chosen = {}, None, None
     for weight in grid:
         found = batched_infer(model, images, None, batch_size, l1=weight, **settings)
         if feed_forward is None:

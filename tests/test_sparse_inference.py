@@ -198,3 +198,12 @@ def test_calibration_stops_at_the_first_weight_that_keeps_the_feed_forward_answe
     assert record["accuracy_by_l1"]["100.0"] < 1.0 and record["accuracy_by_l1"]["0.0"] == 1.0
     weight, record = calibrate_l1(model, images, answers, grid=(0.0, 100.0), batch_size=4, steps=20)
     assert weight == 0.0 and list(record["accuracy_by_l1"]) == ["0.0"]
+
+
+@pytest.mark.parametrize("grid", [(), (1.0, -0.5), (float("nan"),)])
+def test_calibration_refuses_an_empty_or_negative_grid(grid):
+    from poecaps.errors import InputError
+    from poecaps.experiments.capsnet_inference import calibrate_l1
+
+    with pytest.raises(InputError, match="grid must hold"):
+        calibrate_l1(_tiny_capsnet(), np.zeros((2, 12, 12, 1), "float32"), np.zeros(2, "int64"), grid=grid)
