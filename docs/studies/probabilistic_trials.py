@@ -1,11 +1,13 @@
 """Short trials of the probabilistic capsule model: do the top presences switch by class under other settings?
 
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
-           [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--seed 0]
+           [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
 Adam 1e-3, batch 64; no VAE) for a few epochs with the pose spread's floor
-`c_min` and the Concrete temperature given, then writes to OUT.json:
+`c_min` and the Concrete temperature given (and, with `--top-prior`, the
+top capsules' prior presence `p` fixed at P instead of learned), then
+writes to OUT.json:
 
 - the trainer's running bound and terms after each epoch;
 - the encoder's top presence probabilities `t0` on the 4,000 training
@@ -51,14 +53,22 @@ def main():
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--c-min", type=float, default=0.1)
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-prior", type=float, default=None, help="fix every p_i at this value (default: learned)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
+        p.error(f"--top-prior must be in (0, 1). Received: {args.top_prior}")
     x, y = study.load_digits(args.data_dir, "train", 40)
     x_test, y_test = study.load_digits(args.data_dir, "test", 40)
     keras.utils.set_random_seed(args.seed)
     model = ProbabilisticCapsuleAutoencoder(
         ProbabilisticCapsules(image_size=(40, 40), c_min=args.c_min, temperature=args.temperature, seed=args.seed),
         seed=args.seed)
+    if args.top_prior is not None:
+        model(tf.constant(x[:2]))                                        # builds the weights
+        logits = model.generative.top_logits
+        logits.assign(tf.fill(logits.shape, float(np.log(args.top_prior / (1.0 - args.top_prior)))))
+        logits.trainable = False
     trainer = VariationalTrainer(model, seed=args.seed)
     trainer.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=True)
     curve, start = [], time.perf_counter()
@@ -80,7 +90,8 @@ def main():
     result = {"settings": vars(args), "train_images": len(x), "test_images": len(x_test), "seconds": seconds,
               "curve": curve, "top_presence_mean": r(t0.mean(0)), "top_presence_std_over_images": r(t0.std(0)),
               "top_presence_between_class_share": r(between / np.maximum(t0.var(0), 1e-12)),
-              "pose_spread_mean": float(model.generative.spreads().numpy().mean()), "probes": probes}
+              "pose_spread_mean": float(model.generative.spreads().numpy().mean()),
+              "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes}
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=2)
     print(json.dumps({k: result[k] for k in ("top_presence_std_over_images", "probes")}))
