@@ -75,7 +75,7 @@ def calibrate_l1(model, images, labels, grid=L1_GRID, batch_size=250, **settings
     grid = tuple(grid)
     if not grid or not all(np.isfinite(w) and w >= 0 for w in grid):
         raise InputError(f"grid must hold at least one finite L1 weight >= 0. Received: {grid}")
-    accuracies, feed_forward, chosen = {}, None, None
+    accuracies, feed_forward = {}, None
     for weight in grid:
         found = batched_infer(model, images, None, batch_size, l1=weight, **settings)
         if feed_forward is None:
