@@ -13,7 +13,10 @@ class VariationalTrainer(keras.Model):
     means: `poecaps.models.ProbabilisticCapsuleAutoencoder` and
     `poecaps.models.VariationalAutoencoder` do. Each step draws the
     stochastic latents once (a stateless seed from the trainer's seed and
-    the step) and takes an optimizer step on `-mean(bound) / pixels`.
+    the step) and takes an optimizer step on `-mean(objective) / pixels`, where
+    `objective` is the model's `objective` term if it gives one (a bound plus
+    a training-only term, e.g. the capsule model's specialisation), else the
+    bound.
     Metrics: every term per image, and `mse`, the reconstruction error of
     the encoder's means.
 
@@ -54,7 +57,7 @@ class VariationalTrainer(keras.Model):
         pixels = float(images.shape[1] * images.shape[2])
         with tf.GradientTape() as tape:
             terms = self.model.bound(images, seed=seed, training=True)
-            loss = -tf.reduce_mean(terms["bound"]) / pixels
+            loss = -tf.reduce_mean(terms.get("objective", terms["bound"])) / pixels
         weights = self.model.trainable_weights
         self.optimizer.apply(tape.gradient(loss, weights), weights)
         return self._update(images, terms)

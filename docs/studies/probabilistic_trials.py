@@ -1,12 +1,14 @@
 """Short trials of the probabilistic capsule model: do the top presences switch by class under other settings?
 
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
-           [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--seed 0]
+           [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
 Adam 1e-3, batch 64; no VAE) for a few epochs with the pose spread's floor
 `c_min` and the Concrete temperature given (and, with `--top-prior`, the
-top capsules' prior presence `p` fixed at P instead of learned), then
+top capsules' prior presence `p` fixed at P instead of learned; with
+`--specialisation`, the top presences' information weighted by W in the
+training objective, `ProbabilisticCapsuleAutoencoder`'s docstring), then
 writes to OUT.json:
 
 - the trainer's running bound and terms after each epoch;
@@ -54,6 +56,7 @@ def main():
     p.add_argument("--c-min", type=float, default=0.1)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-prior", type=float, default=None, help="fix every p_i at this value (default: learned)")
+    p.add_argument("--specialisation", type=float, default=0.0, help="weight of the top presences' information")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
@@ -63,7 +66,7 @@ def main():
     keras.utils.set_random_seed(args.seed)
     model = ProbabilisticCapsuleAutoencoder(
         ProbabilisticCapsules(image_size=(40, 40), c_min=args.c_min, temperature=args.temperature, seed=args.seed),
-        seed=args.seed)
+        specialisation=args.specialisation, seed=args.seed)
     if args.top_prior is not None:
         model(tf.constant(x[:2]))                                        # builds the weights
         logits = model.generative.top_logits
@@ -75,7 +78,8 @@ def main():
     for epoch in range(args.epochs):
         history = trainer.fit(x, epochs=1, batch_size=64, verbose=0, shuffle=True)
         curve.append({k: float(v[-1]) for k, v in history.history.items()})
-        print(f"epoch {epoch + 1}: bound {curve[-1]['bound']:.1f}", flush=True)
+        print(f"epoch {epoch + 1}: bound {curve[-1]['bound']:.1f}, information {curve[-1]['top_information']:.3f}",
+              flush=True)
     seconds = time.perf_counter() - start
     t0, a0 = _features(model, x)
     between = np.mean([np.square(t0[y == k].mean(0) - t0.mean(0)) for k in range(10)], 0)

@@ -32,10 +32,29 @@ read raw, they barely move the top encoder, and training without it made
 the top encoder's output constant, the same top capsules for every image
 (docs/probabilistic_capsules.md).
 
+Specialisation (optional, not in the paper; weight 0 by default). With
+`specialisation = w > 0` training ascends `bound + w I` instead of the
+bound, where `I` is the information the batch's top presences carry about
+the image: with `q_b(i) = t_bi / sum_k t_bk` (the encoder's presence
+probabilities `t = sigmoid(l)` normalised over the top capsules),
+
+    I = H(mean_b q_b) - mean_b H(q_b),     0 <= I <= log K,
+
+the mutual information between the image and a top capsule drawn from
+`q` (information maximisation, as in discriminative clustering). It is
+large when each image turns on a few top capsules and different images
+turn on different ones. Kosiorek et al. (stacked capsule autoencoders)
+ask the same of their object capsules with their within- and
+between-example sparsity losses; Smith et al. use none. `I` is a
+batch-level quantity: test-time optimisation (`refine`) and every figure
+of the bound ignore it.
+
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
     channels, hidden, encoding, blocks, inducing, heads: encoder sizes
         (32, 128, 32, 4, 32, 4).
+    specialisation: the weight `w >= 0` of `I` in the training objective,
+        in nats per image (0: the paper's bound alone).
     seed: seed of the encoders' initial weights.
 
 Call arguments:
@@ -65,6 +84,21 @@ def _coordinates(images):
     return tf.broadcast_to(grid, tf.concat([tf.shape(images)[:1], [height, width, 2]], 0))
 
 
+def presence_information(top_logits):
+    """`I`: the information a batch's top presences carry about the image, in nats (a scalar).
+
+    `q_b = t_b / sum(t_b)` with `t = sigmoid(top_logits)` (`[B, K]`);
+    `I = H(mean_b q_b) - mean_b H(q_b)`, computed from `log_sigmoid` in
+    log space, so that presences near 0 stay finite.
+    """
+    log_t = tf.math.log_sigmoid(top_logits)
+    log_q = log_t - tf.reduce_logsumexp(log_t, axis=-1, keepdims=True)
+    q = tf.exp(log_q)
+    conditional = -tf.reduce_mean(tf.reduce_sum(q * log_q, axis=-1))
+    log_marginal = tf.reduce_logsumexp(log_q, axis=0) - tf.math.log(tf.cast(tf.shape(log_q)[0], log_q.dtype))
+    return -tf.reduce_sum(tf.exp(log_marginal) * log_marginal) - conditional
+
+
 def _adam_ascent(model, images, values, names, steps, learning_rate, seed, beta1=0.9, beta2=0.999, eps=1e-8):
     """`steps` Adam steps ascending `sum(bound)` in `values` (a list of tensors); the model's weights fixed."""
     @tf.function
@@ -92,11 +126,14 @@ def _adam_ascent(model, images, values, names, steps, learning_rate, seed, beta1
 @keras.saving.register_keras_serializable(package="poecaps")
 class ProbabilisticCapsuleAutoencoder(keras.Model):
     __doc__ = __doc__
-    TERMS = ("bound", "image", "parts", "top", "part_entropy", "top_entropy")
+    TERMS = ("bound", "image", "parts", "top", "part_entropy", "top_entropy", "top_information")
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
-                 seed=0, **kwargs):
+                 specialisation=0.0, seed=0, **kwargs):
         super().__init__(**kwargs)
+        if not (isinstance(specialisation, (int, float)) and 0.0 <= specialisation < float("inf")):
+            raise ValueError(f"specialisation must be a finite number >= 0. Received: specialisation={specialisation!r}")
+        self.specialisation = float(specialisation)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
@@ -164,7 +201,10 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         Without `top_logits` / `top_pose` the top encoder gives them from the
         drawn parts (`training`: with batch statistics). `seed`: a stateless seed `[2]` or None. Keys: `bound`,
         `image` (log p(X | parts)), `parts` (sum_j log p(t_j, P_j | top)),
-        `top` (log p(t_i, A_i)), `part_entropy`, `top_entropy` (-log q).
+        `top` (log p(t_i, A_i)), `part_entropy`, `top_entropy` (-log q);
+        `top_information`, the batch's `I` (module docstring) repeated for
+        each image, not part of the bound; `objective`, what training
+        ascends, `bound + specialisation * top_information`.
         """
         g = self.generative
         seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
@@ -180,6 +220,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             "top_entropy": -tf.reduce_sum(concrete.log_prob(top_presence, top_logits, g.temperature), -1),
         }
         terms["bound"] = terms["image"] + terms["parts"] + terms["top"] + terms["part_entropy"] + terms["top_entropy"]
+        terms["top_information"] = tf.fill(tf.shape(terms["bound"]), presence_information(top_logits))
+        terms["objective"] = terms["bound"] + self.specialisation * terms["top_information"]
         return terms
 
     def bound(self, images, seed=None, training=False):
@@ -232,4 +274,5 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
     def get_config(self):
         return {"generative": keras.saving.serialize_keras_object(self.generative), "channels": self.channels,
                 "hidden": self.hidden, "encoding": self.encoding, "blocks": self.blocks,
-                "inducing": self.inducing, "heads": self.heads, "seed": self.seed, "name": self.name}
+                "inducing": self.inducing, "heads": self.heads, "specialisation": self.specialisation,
+                "seed": self.seed, "name": self.name}
