@@ -400,3 +400,82 @@ def test_the_vae_trains_saves_and_reloads(tmp_path):
         np.testing.assert_allclose(restored(images[:3])[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="latent"):
         VariationalAutoencoder(latent=0)
+
+
+def _numpy_information(logits):
+    """I(image; capsule) for q_b(i) = t_bi / sum_k t_bk, t = sigmoid(logits), in float64."""
+    t = 1.0 / (1.0 + np.exp(-np.asarray(logits, "float64")))
+    q = t / t.sum(-1, keepdims=True)
+    entropy = lambda p: -np.sum(p * np.log(p), -1)
+    return entropy(q.mean(0)) - entropy(q).mean()
+
+
+def test_the_presence_information_equals_a_numpy_computation_and_its_limits():
+    from poecaps.models.capsule_autoencoder import presence_information
+
+    logits = np.random.default_rng(7).normal(0.0, 2.0, (5, 4))
+    got = presence_information(tf.constant(logits, tf.float32)).numpy()
+    # float32 logs and sums of 4-20 terms of order 1: a few ulps of log(4) = 1.39
+    np.testing.assert_allclose(got, _numpy_information(logits), atol=1e-5)
+    same = np.tile(logits[:1], (6, 1))
+    assert abs(presence_information(tf.constant(same, tf.float32)).numpy()) < 1e-5     # every image alike: 0
+    # each of 4 images turns on its own capsule, the others far off: I -> log 4 (the off capsules' share
+    # of each q is 3 e^-30 / 1, far below float32's resolution of log 4)
+    one_hot = np.where(np.eye(4) > 0, 30.0, -30.0)
+    np.testing.assert_allclose(presence_information(tf.constant(one_hot, tf.float32)).numpy(), np.log(4.0),
+                               atol=1e-5)
+    assert np.isfinite(presence_information(tf.constant(np.full((3, 4), -200.0), tf.float32)).numpy())
+
+
+def test_the_specialisation_adds_the_weighted_information_to_the_training_objective_only():
+    from poecaps.models.capsule_autoencoder import ProbabilisticCapsuleAutoencoder
+
+    plain = _tiny_autoencoder()
+    weighted = ProbabilisticCapsuleAutoencoder.from_config({**plain.get_config(), "specialisation": 7.0})
+    weighted.set_weights(plain.get_weights())
+    rng = np.random.default_rng(8)
+    images = tf.constant(rng.uniform(size=(4, 12, 12, 1)).astype("float32"))
+    part_logits, part_pose = plain.encode_parts(images)
+    top_logits = rng.normal(0.0, 2.0, (4, 3))
+    top_pose = tf.constant(rng.normal(0.0, 0.1, (4, 3, 6)).astype("float32"))
+    seed = tf.constant([1, 2], tf.int64)
+    a, b = (m.bound_terms(images, part_logits, part_pose, tf.constant(top_logits, tf.float32), top_pose, seed=seed)
+            for m in (plain, weighted))
+    np.testing.assert_array_equal(a["bound"].numpy(), b["bound"].numpy())      # the bound is unchanged
+    np.testing.assert_array_equal(a["objective"].numpy(), a["bound"].numpy())  # weight 0: the paper's training
+    np.testing.assert_allclose(b["top_information"].numpy(), np.full(4, _numpy_information(top_logits)), atol=1e-5)
+    # bound ~ 1e2-1e3 nats in float32: the sum's rounding is ~1e-4 relative at most
+    np.testing.assert_allclose(b["objective"].numpy(), b["bound"].numpy() + 7.0 * b["top_information"].numpy(),
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="specialisation"):
+        ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=-1.0)
+    with pytest.raises(ValueError, match="specialisation"):
+        ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=float("nan"))
+    assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(weighted)).specialisation == 7.0
+
+
+def test_the_trainer_steps_on_the_objective():
+    """One SGD step of learning rate 1: every trainable weight moves by minus the gradient of
+    -mean(objective) / pixels at the trainer's first draw, not by that of the bound."""
+    from poecaps.models.capsule_autoencoder import ProbabilisticCapsuleAutoencoder
+    from poecaps.trainers.variational import VariationalTrainer
+
+    model = ProbabilisticCapsuleAutoencoder.from_config({**_tiny_autoencoder().get_config(), "specialisation": 50.0})
+    images = np.random.default_rng(9).uniform(size=(4, 12, 12, 1)).astype("float32")
+    weights = model.trainable_weights
+    grads = {}
+    for key in ("objective", "bound"):
+        with tf.GradientTape() as tape:
+            terms = model.bound(tf.constant(images), seed=tf.constant([0, 0], tf.int64), training=True)
+            loss = -tf.reduce_mean(terms[key]) / 144.0
+        grads[key] = [g.numpy() for g in tape.gradient(loss, weights)]
+    before = [w.numpy() for w in weights]
+    trainer = VariationalTrainer(model, seed=0)
+    trainer.compile(optimizer=keras.optimizers.SGD(1.0), jit_compile=False)
+    trainer.fit(images, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    moved = [b - w.numpy() for b, w in zip(before, weights)]
+    flat = lambda arrays: np.concatenate([a.ravel() for a in arrays])
+    # the same float32 graph in another order of summation: agreement to 1e-4 of the largest step
+    scale = np.abs(flat(grads["objective"])).max()
+    np.testing.assert_allclose(flat(moved), flat(grads["objective"]), atol=1e-4 * scale)
+    assert np.abs(flat(grads["objective"]) - flat(grads["bound"])).max() > 1e-2 * scale
