@@ -1,0 +1,50 @@
+"""The probe table of several seeds of the probabilistic capsule run: each seed's figures and their mean.
+
+Usage: python docs/studies/probabilistic_seed_mean.py EVAL.json [EVAL.json ...]
+
+Reads each run's `eval.json` (`scripts/probabilistic_capsules.py`) and
+prints, per feature set and test condition, every seed's probe accuracy
+and their mean, then the issue's probe criteria on the mean:
+`(t0, A0)` at least `t0` at 0, 45, 90 and 180 degrees and on the affine
+stand-in, and `(t0, A0)` beating the VAE there by at least 0.10. Each
+seed's own outcome of the first criterion is printed beside it.
+"""
+
+import argparse
+import json
+
+import numpy as np
+
+CONDITIONS = ("0", "45", "90", "135", "180", "affine")
+CHECKED = ("0", "45", "90", "180", "affine")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("evals", nargs="+")
+    args = p.parse_args()
+    runs = []
+    for path in args.evals:
+        with open(path) as handle:
+            runs.append(json.load(handle))
+    seeds = [r["seed"] for r in runs]
+    print("seeds:", seeds)
+    mean = {}
+    for features in ("t0", "t0_A0", "vae"):
+        values = np.array([[r["probe_accuracy"][features][c] for c in CONDITIONS] for r in runs])
+        mean[features] = dict(zip(CONDITIONS, values.mean(0)))
+        cells = [" / ".join(f"{v:.3f}" for v in column) + f" (mean {m:.3f})"
+                 for column, m in zip(values.T, values.mean(0))]
+        print(f"{features}: " + "; ".join(f"{c} {cell}" for c, cell in zip(CONDITIONS, cells)))
+    for r in runs:
+        short = [c for c in CHECKED if r["probe_accuracy"]["t0_A0"][c] < r["probe_accuracy"]["t0"][c]]
+        print(f"seed {r['seed']}: (t0, A0) below t0 at {', '.join(short) if short else 'none'}")
+    gaps = {c: mean["t0_A0"][c] - mean["t0"][c] for c in CHECKED}
+    print("mean (t0, A0) - t0: " + ", ".join(f"{c} {g:+.3f}" for c, g in gaps.items()),
+          "->", "met" if min(gaps.values()) >= 0 else "not met")
+    lead = mean["t0_A0"]["affine"] - mean["vae"]["affine"]
+    print(f"mean (t0, A0) - VAE on the affine stand-in: {lead:+.3f} ->", "met" if lead >= 0.10 else "not met")
+
+
+if __name__ == "__main__":
+    main()
