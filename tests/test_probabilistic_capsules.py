@@ -451,6 +451,9 @@ def test_the_specialisation_adds_the_weighted_information_to_the_training_object
         ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=-1.0)
     with pytest.raises(ValueError, match="specialisation"):
         ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=float("nan"))
+    with pytest.raises(ValueError, match="specialisation"):
+        ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=True)
+    assert ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=np.float32(2.5)).specialisation == 2.5
     assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(weighted)).specialisation == 7.0
 
 

@@ -66,6 +66,8 @@ Returns (call): dict of the encoders' means (presences `sigmoid(l)`, poses)
 and `reconstructions`, the image rendered from the parts' means.
 """
 
+import numbers
+
 import keras
 import tensorflow as tf
 from keras import ops
@@ -131,7 +133,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
                  specialisation=0.0, seed=0, **kwargs):
         super().__init__(**kwargs)
-        if not (isinstance(specialisation, (int, float)) and 0.0 <= specialisation < float("inf")):
+        if (isinstance(specialisation, bool) or not isinstance(specialisation, numbers.Real)
+                or not 0.0 <= specialisation < float("inf")):
             raise ValueError(f"specialisation must be a finite number >= 0. Received: specialisation={specialisation!r}")
         self.specialisation = float(specialisation)
         if generative is None:
