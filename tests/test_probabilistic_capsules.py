@@ -348,6 +348,33 @@ def test_refine_ascends_each_images_own_bound():
         assert np.abs(moved[key][0].numpy() - refined[key][0].numpy()).max() > 1e-4
     with pytest.raises(ValueError, match="steps"):
         model.refine(images, -1)
+    with pytest.raises(ValueError, match="learning_rate"):
+        model.refine(images, 3, learning_rate=0.0)
+    with pytest.raises(ValueError, match="optimizer"):
+        model.refine(images, 3, optimizer="rmsprop")
+
+
+def test_refine_by_plain_gradient_ascent_takes_the_bounds_gradient_step():
+    model = _tiny_autoencoder()
+    images = tf.constant(np.random.default_rng(3).uniform(size=(3, 12, 12, 1)).astype("float32"))
+    start = model.variational_parameters(images)
+    names = sorted(start)
+    values = [tf.identity(start[n]) for n in names]
+    with tf.GradientTape() as tape:                   # step 0 draws the presences with the stateless seed [seed, 0]
+        tape.watch(values)
+        bound = model.bound_terms(images, **dict(zip(names, values)), seed=tf.constant([7, 0], tf.int64))["bound"]
+        total = tf.reduce_sum(bound)
+    grads = dict(zip(names, tape.gradient(total, values)))
+    one = model.refine(images, 1, learning_rate=1e-3, parameters=start, seed=7, optimizer="sgd")
+    for n in names:
+        expected = start[n].numpy() + 1e-3 * grads[n].numpy()
+        step = np.abs(1e-3 * grads[n].numpy()).max()
+        assert step > 1e-4                                # the step stands well above the tolerance
+        np.testing.assert_allclose(one[n].numpy(), expected, rtol=0, atol=1e-3 * step + 1e-6)
+    refined = model.refine(images, 30, learning_rate=1e-3, parameters=start, seed=7, optimizer="sgd")
+    before = model.mean_bound(images, start, draws=16, seed=9).numpy()
+    after = model.mean_bound(images, refined, draws=16, seed=9).numpy()
+    assert np.all(after > before), (before, after)
 
 
 def _tiny_vae():

@@ -101,8 +101,16 @@ def presence_information(top_logits):
     return -tf.reduce_sum(tf.exp(log_marginal) * log_marginal) - conditional
 
 
-def _adam_ascent(model, images, values, names, steps, learning_rate, seed, beta1=0.9, beta2=0.999, eps=1e-8):
-    """`steps` Adam steps ascending `sum(bound)` in `values` (a list of tensors); the model's weights fixed."""
+OPTIMIZERS = ("adam", "sgd")
+
+
+def _ascent(model, images, values, names, steps, learning_rate, seed, optimizer, beta1=0.9, beta2=0.999, eps=1e-8):
+    """`steps` steps ascending `sum(bound)` in `values` (a list of tensors); the model's weights fixed.
+
+    `optimizer` "adam": Adam's update (Kingma and Ba, algorithm 1); "sgd":
+    plain gradient ascent, `x <- x + learning_rate * grad`. Step `t` draws the
+    presences with the stateless seed `[seed, t]`.
+    """
     @tf.function
     def run(images, values):
         def step(t, values, first, second):
@@ -112,6 +120,8 @@ def _adam_ascent(model, images, values, names, steps, learning_rate, seed, beta1
                 bound = model.bound_terms(images, **dict(zip(names, values)), seed=draw)["bound"]
                 loss = -tf.reduce_sum(bound)
             grads = tape.gradient(loss, values)
+            if optimizer == "sgd":
+                return t + 1, [x - learning_rate * g for x, g in zip(values, grads)], first, second
             first = [beta1 * m + (1.0 - beta1) * g for m, g in zip(first, grads)]
             second = [beta2 * v + (1.0 - beta2) * tf.square(g) for v, g in zip(second, grads)]
             k = tf.cast(t + 1, images.dtype)
@@ -255,23 +265,29 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             total += self.bound_terms(images, **parameters, seed=seeds[d])["bound"]
         return total / draws
 
-    def refine(self, images, steps, learning_rate=0.01, parameters=None, seed=0):
-        """Test-time optimisation: `steps` Adam steps on the bound in each image's variational parameters.
+    def refine(self, images, steps, learning_rate=0.01, parameters=None, seed=0, optimizer="adam"):
+        """Test-time optimisation: `steps` gradient steps on the bound in each image's variational parameters.
 
         From the encoders' output (or `parameters`), with the model's weights
         fixed, ascend `bound_terms` (one fresh draw of the presences per
-        step, a pure function of `seed`). Adam acts coordinate-wise on the
-        sum of the images' bounds, so each image's parameters follow their own
-        bound alone. Returns the refined parameters (the dict of
+        step, a pure function of `seed`). `optimizer`: "adam" (the default)
+        or "sgd", plain gradient ascent `x <- x + learning_rate * dL/dx` (the
+        paper's "basic gradient descent"). Both act coordinate-wise on the
+        sum of the images' bounds, so each image's parameters follow their
+        own bound alone. Returns the refined parameters (the dict of
         `variational_parameters`).
         """
         if not isinstance(steps, int) or steps < 0:
             raise ValueError(f"steps must be an integer >= 0. Received: steps={steps!r}")
+        if not 0.0 < float(learning_rate) < float("inf"):
+            raise ValueError(f"learning_rate must be a finite number > 0. Received: learning_rate={learning_rate!r}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: optimizer={optimizer!r}")
         images = tf.convert_to_tensor(images)
         start = self.variational_parameters(images) if parameters is None else parameters
         names = sorted(start)
-        found = _adam_ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names, steps,
-                             float(learning_rate), int(seed))
+        found = _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names, steps,
+                        float(learning_rate), int(seed), optimizer)
         return dict(zip(names, found))
 
     def get_config(self):
