@@ -202,6 +202,22 @@ def load_trained(run_dir):
     return run, found["settings"], load_component(paths[0]), load_component(paths[1])
 
 
+def load_study(run_dir, seed):
+    """A trained run made ready for a study of its probes (Keras seeded with `seed` first).
+
+    Returns `(run, capsules, (x_train, y_train), (x_test, y_test),
+    table_train)`, where `table_train` holds the encoder's `t0` and
+    `(t0, A0)` of every training digit: what the probe table's probes are
+    trained on.
+    """
+    run, settings, capsules, vae = load_trained(run_dir)
+    keras.utils.set_random_seed(seed)
+    train = load_digits(settings["data_dir"], "train", settings["canvas"])
+    test = load_digits(settings["data_dir"], "test", settings["canvas"])
+    full = _batched(_features(capsules, vae), train[0])
+    return run, capsules, train, test, {"t0": full["t0"], "t0_A0": np.hstack([full["t0"], full["A0"]])}
+
+
 def _features(capsules, vae):
     """A compiled step: each image's probe features (`t0`, `A0`, the VAE's `(mu, sigma)`)."""
     def step(x):

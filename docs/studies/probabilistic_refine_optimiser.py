@@ -70,8 +70,7 @@ def gradient_sizes(capsules, images, seed, draws=8):
 
 def reconstruction_error(capsules, images, parameters):
     """Mean squared error of the image rendered from the parts' presence means and poses."""
-    rendered = capsules.generative.render(tf.sigmoid(parameters["part_logits"]), parameters["part_pose"])
-    return float(tf.reduce_mean(tf.square(rendered - images)))
+    return float(tf.reduce_mean(tf.square(study._render(capsules, parameters) - images)))
 
 
 def features(parameters):
@@ -85,12 +84,7 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    run, settings, capsules, vae = study.load_trained(args.run_dir)
-    keras.utils.set_random_seed(args.seed)
-    x_train, y_train = study.load_digits(settings["data_dir"], "train", settings["canvas"])
-    x_test, y_test = study.load_digits(settings["data_dir"], "test", settings["canvas"])
-    full = study._batched(study._features(capsules, vae), x_train)
-    table_train = {"t0": full["t0"], "t0_A0": np.hstack([full["t0"], full["A0"]])}
+    run, capsules, (x_train, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
 
     chosen = x_train[np.arange(0, len(x_train), 16)][:CHUNK]
     result = {"run": os.path.basename(os.path.normpath(args.run_dir)), "steps": args.steps, "seed": args.seed,

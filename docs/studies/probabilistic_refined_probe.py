@@ -73,12 +73,7 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    run, settings, capsules, vae = study.load_trained(args.run_dir)
-    keras.utils.set_random_seed(args.seed)
-    x_train, y_train = study.load_digits(settings["data_dir"], "train", settings["canvas"])
-    x_test, y_test = study.load_digits(settings["data_dir"], "test", settings["canvas"])
-    full = study._batched(study._features(capsules, vae), x_train)
-    table_train = {"t0": full["t0"], "t0_A0": np.hstack([full["t0"], full["A0"]])}
+    run, capsules, (x_train, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
 
     chosen = np.arange(0, len(x_train), args.every_train)
     print(f"training digits: {len(chosen)}", flush=True)

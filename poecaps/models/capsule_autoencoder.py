@@ -272,7 +272,10 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         fixed, ascend `bound_terms` (one fresh draw of the presences per
         step, a pure function of `seed`). `optimizer`: "adam" (the default)
         or "sgd", plain gradient ascent `x <- x + learning_rate * dL/dx` (the
-        paper's "basic gradient descent"). Both act coordinate-wise on the
+        paper's "basic gradient descent"). Adam moves each coordinate by
+        about `learning_rate` per step whatever the size of its gradient;
+        plain ascent moves it in proportion to its gradient, so its stable rate
+        is set by the coordinates of largest curvature. Both act coordinate-wise on the
         sum of the images' bounds, so each image's parameters follow their
         own bound alone. Returns the refined parameters (the dict of
         `variational_parameters`).
