@@ -202,20 +202,31 @@ def load_trained(run_dir):
     return run, found["settings"], load_component(paths[0]), load_component(paths[1])
 
 
+def probe_features(t0, a0):
+    """The probe table's feature sets, `{"t0": t0, "t0_A0": [t0, A0]}`, from `t0 [B, K]` and flattened `A0 [B, 6K]`."""
+    t0 = np.asarray(t0)
+    return {"t0": t0, "t0_A0": np.hstack([t0, np.asarray(a0).reshape(len(t0), -1)])}
+
+
+def parameter_features(parameters):
+    """`probe_features` of a dict of variational parameters (`variational_parameters`, `refine`)."""
+    return probe_features(tf.sigmoid(parameters["top_logits"]).numpy(), parameters["top_pose"].numpy())
+
+
 def load_study(run_dir, seed):
     """A trained run made ready for a study of its probes (Keras seeded with `seed` first).
 
-    Returns `(run, capsules, (x_train, y_train), (x_test, y_test),
-    table_train)`, where `table_train` holds the encoder's `t0` and
-    `(t0, A0)` of every training digit: what the probe table's probes are
-    trained on.
+    Returns `(run, capsules, vae, (x_train, y_train), (x_test, y_test),
+    table_train)`, where `table_train` holds the `probe_features` of the
+    encoder's output on every training digit: what the probe table's probes
+    are trained on.
     """
     run, settings, capsules, vae = load_trained(run_dir)
     keras.utils.set_random_seed(seed)
     train = load_digits(settings["data_dir"], "train", settings["canvas"])
     test = load_digits(settings["data_dir"], "test", settings["canvas"])
     full = _batched(_features(capsules, vae), train[0])
-    return run, capsules, train, test, {"t0": full["t0"], "t0_A0": np.hstack([full["t0"], full["A0"]])}
+    return run, capsules, vae, train, test, probe_features(full["t0"], full["A0"])
 
 
 def _features(capsules, vae):

@@ -25,10 +25,6 @@ from poecaps.experiments import probabilistic_capsules as study
 SCALES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2)
 
 
-def table_features(found):
-    return {"t0": found["t0"], "t0_A0": np.hstack([found["t0"], found["A0"]])}
-
-
 def probe_with_features(train, y_train, test, y_test):
     """Accuracy of `linear_probe` for each feature set, as a dict."""
     return {n: metrics.linear_probe(train[n], y_train, test[n], y_test) for n in ("t0", "t0_A0")}
@@ -40,16 +36,16 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draws", type=int, default=5)
     args = p.parse_args()
-    run, capsules, (_, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
-    vae = study.load_trained(args.run_dir)[3]                 # `_features` also encodes with the VAE
+    run, capsules, vae, (_, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
     encode = study._features(capsules, vae)
-    upright = table_features(study._batched(encode, x_test))
+    features = lambda found: study.probe_features(found["t0"], found["A0"])
+    upright = features(study._batched(encode, x_test))
     result = {"run": os.path.basename(os.path.normpath(args.run_dir)), "seed": args.seed, "draws": args.draws,
               "test_digits": len(x_test), "clean": probe_with_features(table_train, y_train, upright, y_test),
               "feature_std": {n: float(v.std(0).mean()) for n, v in upright.items()},
               "rotation_change": {}, "noise": {}}
     for angle in (45, 90, 180):
-        rotated = table_features(study._batched(encode, np.asarray(transforms.rotate(x_test, float(angle)))))
+        rotated = features(study._batched(encode, np.asarray(transforms.rotate(x_test, float(angle)))))
         result["rotation_change"][str(angle)] = {n: float(np.abs(rotated[n] - upright[n]).mean()) for n in upright}
     rng = np.random.default_rng(args.seed)
     for s in SCALES:

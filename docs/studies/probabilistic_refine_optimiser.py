@@ -41,13 +41,12 @@ ADAM_RATE = 0.01
 CHUNK = 250
 
 
-def refine(capsules, images, optimiser, rate, steps, seed):
-    """Encoder's and refined parameters of `images` (one chunk) and the mean bound (8 draws) of each."""
+def refine(capsules, images, start, optimiser, rate, steps, seed):
+    """Refined parameters of `images` (one chunk) from `start`, and the mean bound (8 draws) before and after."""
     x = tf.constant(images)
-    start = capsules.variational_parameters(x)
     found = capsules.refine(x, steps, rate, start, seed=seed, optimizer=optimiser)
     bounds = [capsules.mean_bound(x, p, draws=8, seed=seed + 1).numpy() for p in (start, found)]
-    return start, found, bounds
+    return found, bounds
 
 
 def gradient_sizes(capsules, images, seed, draws=8):
@@ -73,24 +72,20 @@ def reconstruction_error(capsules, images, parameters):
     return float(tf.reduce_mean(tf.square(study._render(capsules, parameters) - images)))
 
 
-def features(parameters):
-    t0 = tf.sigmoid(parameters["top_logits"]).numpy()
-    return {"t0": t0, "t0_A0": np.hstack([t0, tf.reshape(parameters["top_pose"], [len(t0), -1]).numpy()])}
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    run, capsules, (x_train, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
+    run, capsules, _, (x_train, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
 
     chosen = x_train[np.arange(0, len(x_train), 16)][:CHUNK]
     result = {"run": os.path.basename(os.path.normpath(args.run_dir)), "steps": args.steps, "seed": args.seed,
               "train_digits": len(chosen), "test_digits": None, "sgd_rates": {}}
     for rate in SGD_RATES:
-        _, _, (before, after) = refine(capsules, chosen, "sgd", rate, args.steps, args.seed)
+        start = capsules.variational_parameters(tf.constant(chosen))
+        _, (before, after) = refine(capsules, chosen, start, "sgd", rate, args.steps, args.seed)
         share = float(np.mean(after > before))
         result["sgd_rates"][str(rate)] = {"bound_before": float(before.mean()), "bound_after": float(after.mean()),
                                           "improved": share}
@@ -115,20 +110,20 @@ def main():
     probe = lambda test: {n: metrics.linear_probe(table_train[n], y_train, test[n], labels) for n in ("t0", "t0_A0")}
     for condition in CONDITIONS:
         images = tests[condition][pick]
-        row = {}
+        start = capsules.variational_parameters(tf.constant(images))
+        encoded = study.parameter_features(start)
+        row = {"encoder": {"probe": probe(encoded),
+                           "reconstruction_error": reconstruction_error(capsules, images, start),
+                           "top_presence_std": float(encoded["t0"].std(0).mean())}}
         for optimiser, rate in (("sgd", sgd_rate), ("adam", ADAM_RATE)):
-            start, found, (before, after) = refine(capsules, images, optimiser, rate, args.steps, args.seed)
-            if "encoder" not in row:
-                row["encoder"] = {"probe": probe(features(start)),
-                                  "reconstruction_error": reconstruction_error(capsules, images, start),
-                                  "top_presence_std": float(features(start)["t0"].std(0).mean())}
-            refined = features(found)
+            found, (before, after) = refine(capsules, images, start, optimiser, rate, args.steps, args.seed)
+            refined = study.parameter_features(found)
             row[optimiser] = {
                 "rate": rate, "probe": probe(refined), "bound_before": float(before.mean()),
                 "bound_after": float(after.mean()), "improved": float(np.mean(after > before)),
                 "reconstruction_error": reconstruction_error(capsules, images, found),
                 "top_logit_moved": float(np.abs(found["top_logits"] - start["top_logits"]).mean()),
-                "top_presence_moved": float(np.abs(refined["t0"] - features(start)["t0"]).mean()),
+                "top_presence_moved": float(np.abs(refined["t0"] - encoded["t0"]).mean()),
                 "top_presence_std": float(refined["t0"].std(0).mean()),
             }
             r = row[optimiser]

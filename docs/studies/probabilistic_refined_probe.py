@@ -43,13 +43,6 @@ CONDITIONS = ("0", "45", "90", "180", "affine")
 CHUNK = 250
 
 
-def feature_sets(parameters):
-    """`{"t0": ..., "t0_A0": ...}` of a dict of variational parameters."""
-    t0 = tf.sigmoid(parameters["top_logits"]).numpy()
-    a0 = tf.reshape(parameters["top_pose"], [len(t0), -1]).numpy()
-    return {"t0": t0, "t0_A0": np.hstack([t0, a0])}
-
-
 def encode_and_refine(capsules, images, steps, seed):
     """Encoder's and refined parameters of `images` (in chunks), and the mean bound of each."""
     before, after, bounds = [], [], []
@@ -73,12 +66,12 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    run, capsules, (x_train, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
+    run, capsules, _, (x_train, y_train), (x_test, y_test), table_train = study.load_study(args.run_dir, args.seed)
 
     chosen = np.arange(0, len(x_train), args.every_train)
     print(f"training digits: {len(chosen)}", flush=True)
     train_before, train_after, train_bounds = encode_and_refine(capsules, x_train[chosen], args.steps, args.seed)
-    small_amortised, small_refined = feature_sets(train_before), feature_sets(train_after)
+    small_amortised, small_refined = study.parameter_features(train_before), study.parameter_features(train_after)
 
     tests = {f"{a}": np.asarray(transforms.rotate(x_test, float(a))) for a in (0, 45, 90, 180)}
     tests["affine"] = np.asarray(transforms.random_affine(x_test, seed=keras.random.SeedGenerator(args.seed),
@@ -92,7 +85,7 @@ def main():
     for condition in CONDITIONS:
         print(f"condition {condition}", flush=True)
         before, after, bounds = encode_and_refine(capsules, tests[condition][pick], args.steps, args.seed)
-        amortised, refined = feature_sets(before), feature_sets(after)
+        amortised, refined = study.parameter_features(before), study.parameter_features(after)
         probe = lambda tr, ty, te: {n: metrics.linear_probe(tr[n], ty, te[n], labels) for n in ("t0", "t0_A0")}
         row = {
             "amortised": probe(table_train, y_train, amortised),
