@@ -484,6 +484,61 @@ def test_the_specialisation_adds_the_weighted_information_to_the_training_object
     assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(weighted)).specialisation == 7.0
 
 
+def test_the_prior_sparsity_equals_a_hand_computation_and_pushes_where_the_information_does_not():
+    from poecaps.models.capsule_autoencoder import presence_information, prior_sparsity
+
+    # presences 0.5 / 0.5 / 0.5 (logits 0) and 0.5 / 0.5 / 0.5; 3 capsules, 2 images, 3 classes: every image's
+    # sum is 1.5 against 3 / 3 = 1, so S_within = 0.25; every capsule's sum is 1 against 2 / 3, so
+    # S_between = (1 / 3)^2
+    within, between = prior_sparsity(tf.zeros((2, 3)), classes=3.0)
+    np.testing.assert_allclose([within.numpy(), between.numpy()], [0.25, 1.0 / 9.0], rtol=1e-6)
+    logits = np.random.default_rng(10).normal(0.0, 2.0, (5, 4))
+    t = 1.0 / (1.0 + np.exp(-logits))
+    within, between = prior_sparsity(tf.constant(logits, tf.float32), classes=10.0)
+    np.testing.assert_allclose(within.numpy(), np.mean((t.sum(1) - 0.4) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(between.numpy(), np.mean((t.sum(0) - 0.5) ** 2), rtol=1e-5)
+    # every image alike, capsule 0 on for all: I's gradient vanishes, S_between's pulls capsule 0 down
+    same = tf.Variable(np.tile([[4.0, -4.0, -4.0, -4.0]], (6, 1)).astype("float32"))
+    with tf.GradientTape(persistent=True) as tape:
+        information = presence_information(same)
+        between = prior_sparsity(same, classes=10.0)[1]
+    assert np.abs(tape.gradient(information, same).numpy()).max() < 1e-6
+    push = tape.gradient(between, same).numpy()
+    assert (push[:, 0] > 1e-3).all()        # ascending -S_between lowers capsule 0's logit in every image
+
+
+def test_the_prior_sparsity_weights_enter_the_training_objective_only():
+    from poecaps.models.capsule_autoencoder import ProbabilisticCapsuleAutoencoder, prior_sparsity
+
+    plain = _tiny_autoencoder()
+    config = {**plain.get_config(), "within_sparsity": 2.0, "between_sparsity": 0.35, "sparsity_classes": 4}
+    weighted = ProbabilisticCapsuleAutoencoder.from_config(config)
+    weighted.set_weights(plain.get_weights())
+    rng = np.random.default_rng(11)
+    images = tf.constant(rng.uniform(size=(4, 12, 12, 1)).astype("float32"))
+    part_logits, part_pose = plain.encode_parts(images)
+    top_logits = tf.constant(rng.normal(0.0, 2.0, (4, 3)).astype("float32"))
+    top_pose = tf.constant(rng.normal(0.0, 0.1, (4, 3, 6)).astype("float32"))
+    seed = tf.constant([3, 4], tf.int64)
+    a, b = (m.bound_terms(images, part_logits, part_pose, top_logits, top_pose, seed=seed) for m in (plain, weighted))
+    np.testing.assert_array_equal(a["bound"].numpy(), b["bound"].numpy())
+    np.testing.assert_array_equal(a["objective"].numpy(), a["bound"].numpy())
+    within, between = (v.numpy() for v in prior_sparsity(top_logits, 4.0))
+    np.testing.assert_allclose(b["top_sparsity_within"].numpy(), np.full(4, within), rtol=1e-6)
+    np.testing.assert_allclose(b["top_sparsity_between"].numpy(), np.full(4, between), rtol=1e-6)
+    # bound ~ 1e2-1e3 nats in float32: the sum's rounding is ~1e-4 relative at most
+    np.testing.assert_allclose(b["objective"].numpy(), b["bound"].numpy() - 2.0 * within - 0.35 * between,
+                               rtol=1e-5)
+    for name, bad in (("within_sparsity", -1.0), ("between_sparsity", float("inf")), ("sparsity_classes", 0.0),
+                      ("within_sparsity", True)):
+        with pytest.raises(ValueError, match=name):
+            ProbabilisticCapsuleAutoencoder(plain.generative, **{name: bad})
+    found = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(weighted))
+    assert (found.within_sparsity, found.between_sparsity, found.sparsity_classes) == (2.0, 0.35, 4.0)
+    older = {k: v for k, v in plain.get_config().items() if "sparsity" not in k}     # a config from before them
+    assert ProbabilisticCapsuleAutoencoder.from_config(older).between_sparsity == 0.0
+
+
 def test_the_trainer_steps_on_the_objective():
     """One SGD step of learning rate 1: every trainable weight moves by minus the gradient of
     -mean(objective) / pixels at the trainer's first draw, not by that of the bound."""

@@ -1,14 +1,17 @@
 """Short trials of the probabilistic capsule model: do the top presences switch by class under other settings?
 
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
-           [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W] [--seed 0]
+           [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
+           [--within-sparsity A] [--between-sparsity B] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
 Adam 1e-3, batch 64; no VAE) for a few epochs with the pose spread's floor
 `c_min` and the Concrete temperature given (and, with `--top-prior`, the
 top capsules' prior presence `p` fixed at P instead of learned; with
 `--specialisation`, the top presences' information weighted by W in the
-training objective, `ProbabilisticCapsuleAutoencoder`'s docstring), then
+training objective; with `--within-sparsity` / `--between-sparsity`,
+Kosiorek et al.'s prior sparsity losses weighted by A / B, 10 classes;
+`ProbabilisticCapsuleAutoencoder`'s docstring), then
 writes to OUT.json:
 
 - the trainer's running bound and terms after each epoch;
@@ -57,6 +60,8 @@ def main():
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-prior", type=float, default=None, help="fix every p_i at this value (default: learned)")
     p.add_argument("--specialisation", type=float, default=0.0, help="weight of the top presences' information")
+    p.add_argument("--within-sparsity", type=float, default=0.0, help="weight of S_within (prior sparsity)")
+    p.add_argument("--between-sparsity", type=float, default=0.0, help="weight of S_between (prior sparsity)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
@@ -66,7 +71,8 @@ def main():
     keras.utils.set_random_seed(args.seed)
     model = ProbabilisticCapsuleAutoencoder(
         ProbabilisticCapsules(image_size=(40, 40), c_min=args.c_min, temperature=args.temperature, seed=args.seed),
-        specialisation=args.specialisation, seed=args.seed)
+        specialisation=args.specialisation, within_sparsity=args.within_sparsity,
+        between_sparsity=args.between_sparsity, seed=args.seed)
     if args.top_prior is not None:
         model(tf.constant(x[:2]))                                        # builds the weights
         logits = model.generative.top_logits
@@ -78,7 +84,8 @@ def main():
     for epoch in range(args.epochs):
         history = trainer.fit(x, epochs=1, batch_size=64, verbose=0, shuffle=True)
         curve.append({k: float(v[-1]) for k, v in history.history.items()})
-        print(f"epoch {epoch + 1}: bound {curve[-1]['bound']:.1f}, information {curve[-1]['top_information']:.3f}",
+        print(f"epoch {epoch + 1}: bound {curve[-1]['bound']:.1f}, information {curve[-1]['top_information']:.3f}, "
+              f"sparsity within {curve[-1]['top_sparsity_within']:.3f} between {curve[-1]['top_sparsity_between']:.1f}",
               flush=True)
     seconds = time.perf_counter() - start
     t0, a0 = _features(model, x)

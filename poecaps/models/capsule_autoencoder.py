@@ -49,12 +49,30 @@ between-example sparsity losses; Smith et al. use none. `I` is a
 batch-level quantity: test-time optimisation (`refine`) and every figure
 of the bound ignore it.
 
+Prior sparsity (optional, not in the paper; weights 0 by default).
+Kosiorek et al.'s l2 prior sparsity losses on the top presence
+probabilities `t = sigmoid(l)` of a batch of `B` images, `K` top capsules
+and `C` expected classes:
+
+    S_within  = mean_b (sum_k t_bk - K / C)^2      (each image turns on K / C capsules)
+    S_between = mean_k (sum_b t_bk - B / C)^2      (each capsule is on in B / C images)
+
+and training ascends `bound + w I - a S_within - b S_between`. Unlike `I`,
+whose gradient vanishes when every image has the same presences, these
+push from there: a capsule on for every image is pulled down by
+`S_between`, one off for every image up. Their ablation credits these
+(not the entropy losses, which `I` stands for) with class-specific object
+capsules. Batch-level too: `refine` and the bound ignore them.
+
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
     channels, hidden, encoding, blocks, inducing, heads: encoder sizes
         (32, 128, 32, 4, 32, 4).
     specialisation: the weight `w >= 0` of `I` in the training objective,
         in nats per image (0: the paper's bound alone).
+    within_sparsity, between_sparsity: the weights `a, b >= 0` of
+        `S_within` and `S_between` (0: none; Kosiorek et al. use 2 and 0.35).
+    sparsity_classes: `C > 0` in their targets (10).
     seed: seed of the encoders' initial weights.
 
 Call arguments:
@@ -84,6 +102,27 @@ def _coordinates(images):
                          compositing.pixel_centres(width, images.dtype), indexing="ij")
     grid = tf.stack([xs, ys], axis=-1)[None]
     return tf.broadcast_to(grid, tf.concat([tf.shape(images)[:1], [height, width, 2]], 0))
+
+
+def prior_sparsity(top_logits, classes):
+    """`(S_within, S_between)`: Kosiorek et al.'s l2 prior sparsity of a batch's top presences (scalars).
+
+    `t = sigmoid(top_logits)` (`[B, K]`); `S_within = mean_b (sum_k t_bk - K / classes)^2`,
+    `S_between = mean_k (sum_b t_bk - B / classes)^2`.
+    """
+    t = tf.sigmoid(top_logits)
+    batch, num_top = tf.cast(tf.shape(t)[0], t.dtype), tf.cast(tf.shape(t)[1], t.dtype)
+    within = tf.reduce_mean(tf.square(tf.reduce_sum(t, axis=1) - num_top / classes))
+    between = tf.reduce_mean(tf.square(tf.reduce_sum(t, axis=0) - batch / classes))
+    return within, between
+
+
+def _weight(name, value, positive=False):
+    """`value` as a float, if it is a finite real number >= 0 (> 0 when `positive`); else a clear ValueError."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value < float("inf")
+            or not (value > 0.0 if positive else value >= 0.0)):
+        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0. Received: {name}={value!r}")
+    return float(value)
 
 
 def presence_information(top_logits):
@@ -138,15 +177,17 @@ def _ascent(model, images, values, names, steps, learning_rate, seed, optimizer,
 @keras.saving.register_keras_serializable(package="poecaps")
 class ProbabilisticCapsuleAutoencoder(keras.Model):
     __doc__ = __doc__
-    TERMS = ("bound", "image", "parts", "top", "part_entropy", "top_entropy", "top_information")
+    TERMS = ("bound", "image", "parts", "top", "part_entropy", "top_entropy", "top_information",
+             "top_sparsity_within", "top_sparsity_between")
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
-                 specialisation=0.0, seed=0, **kwargs):
+                 specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0, sparsity_classes=10, seed=0,
+                 **kwargs):
         super().__init__(**kwargs)
-        if (isinstance(specialisation, bool) or not isinstance(specialisation, numbers.Real)
-                or not 0.0 <= specialisation < float("inf")):
-            raise ValueError(f"specialisation must be a finite number >= 0. Received: specialisation={specialisation!r}")
-        self.specialisation = float(specialisation)
+        self.specialisation = _weight("specialisation", specialisation)
+        self.within_sparsity = _weight("within_sparsity", within_sparsity)
+        self.between_sparsity = _weight("between_sparsity", between_sparsity)
+        self.sparsity_classes = _weight("sparsity_classes", sparsity_classes, positive=True)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
@@ -215,9 +256,11 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         drawn parts (`training`: with batch statistics). `seed`: a stateless seed `[2]` or None. Keys: `bound`,
         `image` (log p(X | parts)), `parts` (sum_j log p(t_j, P_j | top)),
         `top` (log p(t_i, A_i)), `part_entropy`, `top_entropy` (-log q);
-        `top_information`, the batch's `I` (module docstring) repeated for
-        each image, not part of the bound; `objective`, what training
-        ascends, `bound + specialisation * top_information`.
+        `top_information`, `top_sparsity_within`, `top_sparsity_between`:
+        the batch's `I`, `S_within`, `S_between` (module docstring) repeated
+        for each image, not part of the bound; `objective`, what training
+        ascends, `bound + specialisation * I - within_sparsity * S_within -
+        between_sparsity * S_between`.
         """
         g = self.generative
         seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
@@ -233,8 +276,13 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             "top_entropy": -tf.reduce_sum(concrete.log_prob(top_presence, top_logits, g.temperature), -1),
         }
         terms["bound"] = terms["image"] + terms["parts"] + terms["top"] + terms["part_entropy"] + terms["top_entropy"]
-        terms["top_information"] = tf.fill(tf.shape(terms["bound"]), presence_information(top_logits))
-        terms["objective"] = terms["bound"] + self.specialisation * terms["top_information"]
+        each = lambda value: tf.fill(tf.shape(terms["bound"]), value)
+        terms["top_information"] = each(presence_information(top_logits))
+        within, between = prior_sparsity(top_logits, self.sparsity_classes)
+        terms["top_sparsity_within"], terms["top_sparsity_between"] = each(within), each(between)
+        terms["objective"] = (terms["bound"] + self.specialisation * terms["top_information"]
+                              - self.within_sparsity * terms["top_sparsity_within"]
+                              - self.between_sparsity * terms["top_sparsity_between"])
         return terms
 
     def bound(self, images, seed=None, training=False):
@@ -297,4 +345,5 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         return {"generative": keras.saving.serialize_keras_object(self.generative), "channels": self.channels,
                 "hidden": self.hidden, "encoding": self.encoding, "blocks": self.blocks,
                 "inducing": self.inducing, "heads": self.heads, "specialisation": self.specialisation,
-                "seed": self.seed, "name": self.name}
+                "within_sparsity": self.within_sparsity, "between_sparsity": self.between_sparsity,
+                "sparsity_classes": self.sparsity_classes, "seed": self.seed, "name": self.name}
