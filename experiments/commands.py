@@ -186,6 +186,9 @@ def _probabilistic_capsules(argv=None):
     p.add_argument("--specialisation", type=float, default=0.0,
                    help="weight of the top presences' information in training, nats per image (default: 0, the "
                         "paper's bound alone)")
+    p.add_argument("--sparsity", type=float, nargs=2, default=(0.0, 0.0), metavar=("WITHIN", "BETWEEN"),
+                   help="weights of the top presences' prior sparsity within and between images in training "
+                        "(default: 0 0, the paper's bound alone)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the draws")
     p.add_argument("--resume", action="store_true", help="continue the training in --run-dir")
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
@@ -197,15 +200,17 @@ def _probabilistic_capsules(argv=None):
         p.error(f"--tto-steps and --seed must be >= 0. Received: {args.tto_steps} and {args.seed}")
     if not args.learning_rate > 0:
         p.error(f"--learning-rate must be > 0. Received: {args.learning_rate}")
-    if not 0.0 <= args.specialisation < float("inf"):
-        p.error(f"--specialisation must be a finite number >= 0. Received: {args.specialisation}")
+    for name, value in (("--specialisation", args.specialisation), *(("--sparsity", v) for v in args.sparsity)):
+        if not 0.0 <= value < float("inf"):
+            p.error(f"{name} must be finite numbers >= 0. Received: {value}")
     if not args.evaluate_only and not args.data_dir:
         p.error("--data-dir (a folder of MNIST IDX files) is required to train")
     from poecaps.experiments import probabilistic_capsules as study  # TensorFlow: after --help
 
     if not args.evaluate_only:
         study.train_run(args.run_dir, args.epochs, args.batch_size, args.learning_rate, args.canvas, args.data_dir,
-                        args.seed, args.resume, specialisation=args.specialisation)
+                        args.seed, args.resume, specialisation=args.specialisation,
+                        within_sparsity=args.sparsity[0], between_sparsity=args.sparsity[1])
     print(json.dumps(study.evaluate_run(args.run_dir, tto_steps=args.tto_steps, seed=args.seed), indent=2))
 
 

@@ -120,25 +120,31 @@ def _curve(run, name):
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
-def build_capsules(canvas, seed, specialisation=0.0):
+def build_capsules(canvas, seed, specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0):
     """The capsule model a run trains: the spec's sizes on a `canvas` x `canvas` frame, weights from `seed`.
 
-    `specialisation`: the weight of the top presences' information in the training objective
-    (`ProbabilisticCapsuleAutoencoder`; 0, the default, trains on the paper's bound alone).
+    `specialisation`, `within_sparsity`, `between_sparsity`: the weights of the top presences' information
+    and of the prior sparsity terms in the training objective (`ProbabilisticCapsuleAutoencoder`; 0, the
+    default, trains on the paper's bound alone).
 
     Seeds Keras's global generator with `seed` first (some encoder layers draw their initial weights from
     it), so the same `seed` builds the same weights.
     """
     keras.utils.set_random_seed(seed)
     return ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules(image_size=(canvas, canvas), seed=seed),
-                                           specialisation=specialisation, seed=seed)
+                                           specialisation=specialisation, within_sparsity=within_sparsity,
+                                           between_sparsity=between_sparsity, seed=seed)
+
+
+# training terms added after the first runs, and the value a run written before them trained with
+LATER_TERMS = {"specialisation": 0.0, "within_sparsity": 0.0, "between_sparsity": 0.0}
 
 
 def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40, data_dir=None, seed=0,
-              resume=False, jit_compile=True, specialisation=0.0):
+              resume=False, jit_compile=True, specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0):
     """Train the capsule model and the VAE on the same digits and budget; write and return `RUN/train.json`.
 
-    `specialisation`: see `build_capsules` (the VAE is unaffected).
+    `specialisation`, `within_sparsity`, `between_sparsity`: see `build_capsules` (the VAE is unaffected).
 
     `jit_compile`: compile the training steps with XLA (several times faster per step on a CPU, slower to
     compile; False suits a few steps).
@@ -147,13 +153,14 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
         raise InputError("data_dir is required: a folder of MNIST IDX files (e.g. ../shared/data/mnist-5k).")
     run = RunDir(run_dir)
     settings = {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate, "canvas": canvas,
-                "data_dir": os.path.abspath(data_dir), "seed": seed, "specialisation": float(specialisation)}
+                "data_dir": os.path.abspath(data_dir), "seed": seed, "specialisation": float(specialisation),
+                "within_sparsity": float(within_sparsity), "between_sparsity": float(between_sparsity)}
     found = run.read_json("config.json")
     if found is not None and found.get("kind") != KIND:
         raise InputError(f"{run.path} holds a {found.get('kind') or 'unknown'} run; use another --run-dir.")
     if resume and found is not None:
-        keys = ("batch_size", "learning_rate", "canvas", "seed", "specialisation")
-        changed = [k for k in keys if found["settings"].get(k, 0.0 if k == "specialisation" else None) != settings[k]]
+        keys = ("batch_size", "learning_rate", "canvas", "seed", *LATER_TERMS)
+        changed = [k for k in keys if found["settings"].get(k, LATER_TERMS.get(k)) != settings[k]]
         if changed:
             raise InputError(f"{run.path} was trained with other {', '.join(changed)}; resume with the same values.")
     run.write_json("config.json", {"kind": KIND, "settings": settings})
@@ -162,7 +169,7 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
     x_train, _ = load_digits(data_dir, "train", canvas)
     x_test, _ = load_digits(data_dir, "test", canvas)
     start = time.perf_counter()
-    capsules = build_capsules(canvas, seed, specialisation)
+    capsules = build_capsules(canvas, seed, specialisation, within_sparsity, between_sparsity)
     shape = {"batch_size": batch_size, "canvas": canvas, "seed": seed}
     curve = _fit("capsules", capsules, run, x_train, x_test, epochs, batch_size, learning_rate, seed, resume, shape,
                  jit_compile)

@@ -60,6 +60,11 @@ def test_probabilistic_capsules_checks_its_flags_and_runs(tmp_path):
     for flag in ("--epochs", "--batch-size", "--canvas"):
         assert f"{flag} must be >= 1" in _one_error_line(_run(script, "--data-dir", "d", flag, "0"))
     assert "--learning-rate must be > 0" in _one_error_line(_run(script, "--data-dir", "d", "--learning-rate", "0"))
+    assert "--specialisation must be finite numbers >= 0" in _one_error_line(
+        _run(script, "--data-dir", "d", "--specialisation", "-1"))
+    for values in (("1", "-1"), ("nan", "0"), ("0", "nan"), ("0", "inf")):
+        assert "--sparsity must be finite numbers >= 0" in _one_error_line(
+            _run(script, "--data-dir", "d", "--sparsity", *values))
     assert "No run directory" in _one_error_line(_run(script, "--evaluate-only", "--run-dir", str(tmp_path / "no")))
     baseline = tmp_path / "baseline"                    # another kind of run
     shutil.copytree(os.path.join(ROOT, "docs", "results", "baselines", "hinton2018_small_mnist5k"), baseline)
@@ -90,6 +95,7 @@ def _tiny_idx(directory, count=16):
 @pytest.mark.slow
 def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     # In one process (the command line's flags and errors are tested above): train one epoch, resume to two.
+    from poecaps.errors import InputError
     from poecaps.experiments import probabilistic_capsules as study
 
     digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "run")
@@ -97,6 +103,8 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     train = study.train_run(run, epochs=2, batch_size=8, canvas=28, data_dir=digits, resume=True, jit_compile=False)
     assert [e["epoch"] for e in train["curve"]] == [1, 2]          # epoch 1 from the first call, 2 from the resumed one
     assert "Already trained" not in capsys.readouterr().out
+    with pytest.raises(InputError, match="other between_sparsity"):
+        study.train_run(run, epochs=3, batch_size=8, canvas=28, data_dir=digits, resume=True, between_sparsity=1.0)
     assert train["settings"]["epochs"] == 2 and 0 < train["generative_parameters"] < 30000
     found = study.evaluate_run(run, tto_steps=2)
     with open(os.path.join(run, "eval.json")) as handle:
