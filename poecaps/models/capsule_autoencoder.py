@@ -60,9 +60,10 @@ and `C` expected classes:
 and training ascends `bound + w I - a S_within - b S_between`. Unlike `I`,
 whose gradient vanishes when every image has the same presences, these
 push from there: a capsule on for every image is pulled down by
-`S_between`, one off for every image up. Their ablation credits these
-(not the entropy losses, which `I` stands for) with class-specific object
-capsules. Batch-level too: `refine` and the bound ignore them.
+`S_between`, one off for every image up; all presences at `1 / C` for
+every image meet both at no cost. Kosiorek et al. train with these
+beside entropy losses of `I`'s kind. Batch-level too: `refine` and the
+bound ignore them.
 
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
