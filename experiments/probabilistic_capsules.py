@@ -250,13 +250,13 @@ def probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed):
     """Linear-probe accuracy of `t0`, `(t0, A0)` and the VAE's `(mu, sigma)`: rotations and the affine stand-in."""
     features = _features(capsules, vae)
     train = _batched(features, x_train)
-    train_sets = {"t0": train["t0"], "t0_A0": np.hstack([train["t0"], train["A0"]]), "vae": train["vae"]}
+    train_sets = {**probe_features(train["t0"], train["A0"]), "vae": train["vae"]}
     tests = {f"{angle}": np.asarray(transforms.rotate(x_test, float(angle))) for angle in ANGLES}
     tests["affine"] = np.asarray(transforms.random_affine(x_test, seed=keras.random.SeedGenerator(seed), **AFFINE))
     table = {name: {} for name in train_sets}
     for condition, images in tests.items():
         found = _batched(features, images)
-        sets = {"t0": found["t0"], "t0_A0": np.hstack([found["t0"], found["A0"]]), "vae": found["vae"]}
+        sets = {**probe_features(found["t0"], found["A0"]), "vae": found["vae"]}
         for name, train_features in train_sets.items():
             table[name][condition] = metrics.linear_probe(train_features, y_train, sets[name], y_test)
         print(f"[probe] {condition}: " + ", ".join(f"{n} {table[n][condition]:.3f}" for n in table), flush=True)

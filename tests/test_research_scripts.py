@@ -95,6 +95,9 @@ def _tiny_idx(directory, count=16):
 @pytest.mark.slow
 def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     # In one process (the command line's flags and errors are tested above): train one epoch, resume to two.
+    import keras
+
+    from poecaps import metrics
     from poecaps.errors import InputError
     from poecaps.experiments import probabilistic_capsules as study
 
@@ -114,6 +117,17 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
     for name in ("templates", "reconstructions", "rotation", "samples"):
         assert os.path.getsize(os.path.join(run, f"{name}.png")) > 0
+    # the probe studies' loader: the table's training features, read here without XLA from the encoders
+    _, capsules, vae, (x_train, y_train), (x_test, y_test), table_train = study.load_study(run, 0)
+    assert x_train.shape == x_test.shape == (16, 28, 28, 1) and len(y_train) == len(y_test) == 16
+    parameters = capsules.variational_parameters(x_train)
+    t0, a0 = np.asarray(keras.ops.sigmoid(parameters["top_logits"])), np.asarray(parameters["top_pose"])
+    # float32 through the encoders' ~20 layers, summed in another order under XLA: 1e-4
+    np.testing.assert_allclose(table_train["t0"], t0, atol=1e-4)
+    np.testing.assert_allclose(table_train["t0_A0"], np.hstack([t0, a0.reshape(16, -1)]), atol=1e-4)
+    # and, with the table's own features of the upright test digits, give its figure for t0
+    t0_test = study._batched(study._features(capsules, vae), x_test)["t0"]
+    assert metrics.linear_probe(table_train["t0"], y_train, t0_test, y_test) == found["probe_accuracy"]["t0"]["0"]
 
 
 @pytest.mark.slow
