@@ -2,7 +2,7 @@
 
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
            [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
-           [--within-sparsity A] [--between-sparsity B] [--seed 0]
+           [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
 Adam 1e-3, batch 64; no VAE) for a few epochs with the pose spread's floor
@@ -11,6 +11,7 @@ top capsules' prior presence `p` fixed at P instead of learned; with
 `--specialisation`, the top presences' information weighted by W in the
 training objective; with `--within-sparsity` / `--between-sparsity`,
 Kosiorek et al.'s prior sparsity losses weighted by A / B, 10 classes;
+with `--detach-parts`, the parts held constant in the top layer's terms;
 `ProbabilisticCapsuleAutoencoder`'s docstring), then
 writes to OUT.json:
 
@@ -62,6 +63,7 @@ def main():
     p.add_argument("--specialisation", type=float, default=0.0, help="weight of the top presences' information")
     p.add_argument("--within-sparsity", type=float, default=0.0, help="weight of S_within (prior sparsity)")
     p.add_argument("--between-sparsity", type=float, default=0.0, help="weight of S_between (prior sparsity)")
+    p.add_argument("--detach-parts", action="store_true", help="hold the parts constant in the top layer's terms")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
@@ -72,7 +74,7 @@ def main():
     model = ProbabilisticCapsuleAutoencoder(
         ProbabilisticCapsules(image_size=(40, 40), c_min=args.c_min, temperature=args.temperature, seed=args.seed),
         specialisation=args.specialisation, within_sparsity=args.within_sparsity,
-        between_sparsity=args.between_sparsity, seed=args.seed)
+        between_sparsity=args.between_sparsity, detach_parts=args.detach_parts, seed=args.seed)
     if args.top_prior is not None:
         model(tf.constant(x[:2]))                                        # builds the weights
         logits = model.generative.top_logits

@@ -65,6 +65,15 @@ every image meet both at no cost. Kosiorek et al. train with these
 beside entropy losses of `I`'s kind. Batch-level too: `refine` and the
 bound ignore them.
 
+Detached parts (optional, not in the paper; off by default). With
+`detach_parts=True`, training holds the parts constant in the top
+layer's terms (the top encoder's input and `log p(t_j, P_j | top)`), as
+Kosiorek et al. stop the gradient into their part capsules from the
+object capsules' likelihood: the part encoder then learns from
+`log p(X | parts)` and its own entropy alone, and cannot shape the parts
+to suit the top layer. The bound's value is unchanged; `refine` and
+evaluation (`training` false) take the full gradient.
+
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
     channels, hidden, encoding, blocks, inducing, heads: encoder sizes
@@ -74,6 +83,8 @@ Args:
     within_sparsity, between_sparsity: the weights `a, b >= 0` of
         `S_within` and `S_between` (0: none; Kosiorek et al. use 2 and 0.35).
     sparsity_classes: `C > 0` in their targets (10).
+    detach_parts: hold the parts constant in the top layer's terms in
+        training (False).
     seed: seed of the encoders' initial weights.
 
 Call arguments:
@@ -182,13 +193,16 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
              "top_sparsity_within", "top_sparsity_between")
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
-                 specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0, sparsity_classes=10, seed=0,
-                 **kwargs):
+                 specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0, sparsity_classes=10,
+                 detach_parts=False, seed=0, **kwargs):
         super().__init__(**kwargs)
         self.specialisation = _weight("specialisation", specialisation)
         self.within_sparsity = _weight("within_sparsity", within_sparsity)
         self.between_sparsity = _weight("between_sparsity", between_sparsity)
         self.sparsity_classes = _weight("sparsity_classes", sparsity_classes, positive=True)
+        if not isinstance(detach_parts, bool):
+            raise TypeError(f"detach_parts must be True or False. Received: detach_parts={detach_parts!r}")
+        self.detach_parts = detach_parts
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
@@ -254,7 +268,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         """The bound's terms per image `[B]` at the given variational parameters (one draw of the presences).
 
         Without `top_logits` / `top_pose` the top encoder gives them from the
-        drawn parts (`training`: with batch statistics). `seed`: a stateless seed `[2]` or None. Keys: `bound`,
+        drawn parts (`training`: with batch statistics, and with
+        `detach_parts` the parts held constant in the top layer's terms). `seed`: a stateless seed `[2]` or None. Keys: `bound`,
         `image` (log p(X | parts)), `parts` (sum_j log p(t_j, P_j | top)),
         `top` (log p(t_i, A_i)), `part_entropy`, `top_entropy` (-log q);
         `top_information`, `top_sparsity_within`, `top_sparsity_between`:
@@ -266,12 +281,15 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         g = self.generative
         seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
         part_presence = concrete.sample(part_logits, g.temperature, seeds[0])
+        seen_presence, seen_pose = part_presence, part_pose                 # the parts as the top layer sees them
+        if self.detach_parts and training:
+            seen_presence, seen_pose = tf.stop_gradient(part_presence), tf.stop_gradient(part_pose)
         if top_logits is None:
-            top_logits, top_pose = self.encode_top(part_presence, part_pose, training=training)
+            top_logits, top_pose = self.encode_top(seen_presence, seen_pose, training=training)
         top_presence = concrete.sample(top_logits, g.temperature, seeds[1])
         terms = {
             "image": g.image_log_likelihood(images, part_presence, part_pose),
-            "parts": tf.reduce_sum(g.part_marginal_log_likelihood(top_presence, top_pose, part_presence, part_pose), -1),
+            "parts": tf.reduce_sum(g.part_marginal_log_likelihood(top_presence, top_pose, seen_presence, seen_pose), -1),
             "top": g.top_log_prior(top_presence, top_pose),
             "part_entropy": -tf.reduce_sum(concrete.log_prob(part_presence, part_logits, g.temperature), -1),
             "top_entropy": -tf.reduce_sum(concrete.log_prob(top_presence, top_logits, g.temperature), -1),
@@ -347,4 +365,5 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                 "hidden": self.hidden, "encoding": self.encoding, "blocks": self.blocks,
                 "inducing": self.inducing, "heads": self.heads, "specialisation": self.specialisation,
                 "within_sparsity": self.within_sparsity, "between_sparsity": self.between_sparsity,
-                "sparsity_classes": self.sparsity_classes, "seed": self.seed, "name": self.name}
+                "sparsity_classes": self.sparsity_classes, "detach_parts": self.detach_parts, "seed": self.seed,
+                "name": self.name}
