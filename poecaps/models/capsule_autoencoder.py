@@ -269,8 +269,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
         Without `top_logits` / `top_pose` the top encoder gives them from the
         drawn parts (`training`: with batch statistics, and with
-        `detach_parts` the parts held constant in the top layer's terms). `seed`: a stateless seed `[2]` or None. Keys: `bound`,
-        `image` (log p(X | parts)), `parts` (sum_j log p(t_j, P_j | top)),
+        `detach_parts` the parts held constant in the top layer's terms).
+        `seed`: a stateless seed `[2]` or None. Keys: `bound`, `image` (log p(X | parts)), `parts` (sum_j log p(t_j, P_j | top)),
         `top` (log p(t_i, A_i)), `part_entropy`, `top_entropy` (-log q);
         `top_information`, `top_sparsity_within`, `top_sparsity_between`:
         the batch's `I`, `S_within`, `S_between` (module docstring) repeated
