@@ -21,7 +21,6 @@ are checked against the run's `eval.json`.
 """
 
 import argparse
-import json
 import os
 
 import keras
@@ -58,10 +57,8 @@ def main():
         print(f"[{name}] t0 {found['t0']:.3f}; (t0, A0): both turned {found['both']:.3f}, poses held "
               f"{found['poses_held']:.3f}, presences held {found['presences_held']:.3f}; table figures reproduced: "
               f"{found['matches_eval_json']}", flush=True)
-    path = os.path.join(run.path, "probe_blocks.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    run.write_json("probe_blocks.json", result)
+    print(f"wrote {run.file('probe_blocks.json')}")
 
 
 if __name__ == "__main__":

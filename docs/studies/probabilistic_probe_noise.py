@@ -14,7 +14,6 @@ and 180 degrees (both averaged over the features of each set).
 """
 
 import argparse
-import json
 import os
 
 import numpy as np
@@ -57,10 +56,8 @@ def main():
               flush=True)
     print(f"clean: {result['clean']}; feature std {result['feature_std']}; "
           f"rotation change {result['rotation_change']}", flush=True)
-    path = os.path.join(run.path, "probe_noise.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    run.write_json("probe_noise.json", result)
+    print(f"wrote {run.file('probe_noise.json')}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Reads `RUN/models/capsules.keras` and the run's digits, and writes
 """
 
 import argparse
-import json
 import os
 
 import keras
@@ -135,10 +134,8 @@ def main():
                   f"{r['top_presence_moved']:.3g} (spread {row['encoder']['top_presence_std']:.4f} -> "
                   f"{r['top_presence_std']:.4f})", flush=True)
         result["conditions"][condition] = row
-    path = os.path.join(run.path, "refine_optimiser.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    run.write_json("refine_optimiser.json", result)
+    print(f"wrote {run.file('refine_optimiser.json')}")
 
 
 if __name__ == "__main__":

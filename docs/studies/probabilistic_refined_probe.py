@@ -29,7 +29,6 @@ before and after.
 """
 
 import argparse
-import json
 import os
 
 import keras
@@ -101,10 +100,8 @@ def main():
                                             for k, v in row.items() if isinstance(v, dict))
               + f"; bound {row['bound_before']:.1f} -> {row['bound_after']:.1f}; presence spread "
               f"{row['top_presence_std_before']:.4f} -> {row['top_presence_std_after']:.4f}", flush=True)
-    path = os.path.join(run.path, "refined_probe.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    run.write_json("refined_probe.json", result)
+    print(f"wrote {run.file('refined_probe.json')}")
 
 
 if __name__ == "__main__":
