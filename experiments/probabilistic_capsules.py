@@ -209,15 +209,27 @@ def load_trained(run_dir):
     return run, found["settings"], load_component(paths[0]), load_component(paths[1])
 
 
-def probe_features(t0, a0):
-    """The probe table's feature sets, `{"t0": t0, "t0_A0": [t0, A0]}`, from `t0 [B, K]` and flattened `A0 [B, 6K]`."""
+def probe_features(t0, a0, t0_logits=None):
+    """The probe table's feature sets from `t0 [B, K]` and `A0 [B, K, ...]` (flattened to `[B, 6K]`).
+
+    `{"t0": t0, "t0_A0": [t0, A0]}`; given the presences' logits `[B, K]`
+    (`t0 = sigmoid(t0_logits)`) also `{"t0_logits": ..., "t0_logits_A0": [t0_logits, A0]}`,
+    the paper's reading of `t0` (its supplement D classifies from the logit
+    of the posterior over `t0`).
+    """
     t0 = np.asarray(t0)
-    return {"t0": t0, "t0_A0": np.hstack([t0, np.asarray(a0).reshape(len(t0), -1)])}
+    a0 = np.asarray(a0).reshape(len(t0), -1)
+    sets = {"t0": t0, "t0_A0": np.hstack([t0, a0])}
+    if t0_logits is not None:
+        t0_logits = np.asarray(t0_logits)
+        sets.update(t0_logits=t0_logits, t0_logits_A0=np.hstack([t0_logits, a0]))
+    return sets
 
 
 def parameter_features(parameters):
     """`probe_features` of a dict of variational parameters (`variational_parameters`, `refine`)."""
-    return probe_features(tf.sigmoid(parameters["top_logits"]).numpy(), parameters["top_pose"].numpy())
+    logits = parameters["top_logits"]
+    return probe_features(tf.sigmoid(logits).numpy(), parameters["top_pose"].numpy(), logits.numpy())
 
 
 def load_study(run_dir, seed):
@@ -233,30 +245,31 @@ def load_study(run_dir, seed):
     train = load_digits(settings["data_dir"], "train", settings["canvas"])
     test = load_digits(settings["data_dir"], "test", settings["canvas"])
     full = _batched(_features(capsules, vae), train[0])
-    return run, capsules, vae, train, test, probe_features(full["t0"], full["A0"])
+    return run, capsules, vae, train, test, probe_features(full["t0"], full["A0"], full["t0_logits"])
 
 
 def _features(capsules, vae):
-    """A compiled step: each image's probe features (`t0`, `A0`, the VAE's `(mu, sigma)`)."""
+    """A compiled step: each image's probe features (`t0`, its logits, `A0`, the VAE's `(mu, sigma)`)."""
     def step(x):
         parameters = capsules.variational_parameters(x)
         encoded = vae(x)
-        return {"t0": tf.sigmoid(parameters["top_logits"]), "A0": tf.reshape(parameters["top_pose"], [len(x), -1]),
+        return {"t0": tf.sigmoid(parameters["top_logits"]), "t0_logits": parameters["top_logits"],
+                "A0": tf.reshape(parameters["top_pose"], [len(x), -1]),
                 "vae": tf.concat([encoded["mu"], encoded["sigma"]], -1)}
     return tf.function(step, jit_compile=True)
 
 
 def probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed):
-    """Linear-probe accuracy of `t0`, `(t0, A0)` and the VAE's `(mu, sigma)`: rotations and the affine stand-in."""
+    """Linear-probe accuracy of `t0`, `(t0, A0)`, both again with `t0`'s logits, and the VAE's `(mu, sigma)`: rotations and the affine stand-in."""
     features = _features(capsules, vae)
     train = _batched(features, x_train)
-    train_sets = {**probe_features(train["t0"], train["A0"]), "vae": train["vae"]}
+    train_sets = {**probe_features(train["t0"], train["A0"], train["t0_logits"]), "vae": train["vae"]}
     tests = {f"{angle}": np.asarray(transforms.rotate(x_test, float(angle))) for angle in ANGLES}
     tests["affine"] = np.asarray(transforms.random_affine(x_test, seed=keras.random.SeedGenerator(seed), **AFFINE))
     table = {name: {} for name in train_sets}
     for condition, images in tests.items():
         found = _batched(features, images)
-        sets = {**probe_features(found["t0"], found["A0"]), "vae": found["vae"]}
+        sets = {**probe_features(found["t0"], found["A0"], found["t0_logits"]), "vae": found["vae"]}
         for name, train_features in train_sets.items():
             table[name][condition] = metrics.linear_probe(train_features, y_train, sets[name], y_test)
         print(f"[probe] {condition}: " + ", ".join(f"{n} {table[n][condition]:.3f}" for n in table), flush=True)

@@ -112,7 +112,7 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     found = study.evaluate_run(run, tto_steps=2)
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == json.loads(json.dumps(found))
-    assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "vae"}
+    assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "t0_logits", "t0_logits_A0", "vae"}
     assert set(found["probe_accuracy"]["t0"]) == {"0", "45", "90", "135", "180", "affine"}
     assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
     for name in ("templates", "reconstructions", "rotation", "samples"):
@@ -125,6 +125,11 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     # float32 through the encoders' ~20 layers, summed in another order under XLA: 1e-4
     np.testing.assert_allclose(table_train["t0"], t0, atol=1e-4)
     np.testing.assert_allclose(table_train["t0_A0"], np.hstack([t0, a0.reshape(16, -1)]), atol=1e-4)
+    # the logits: sigmoid's slope is at most 1/4, so the same error in t0 is up to 4 times larger before it
+    logits = np.asarray(parameters["top_logits"])
+    np.testing.assert_allclose(table_train["t0_logits"], logits, atol=4e-4)
+    np.testing.assert_allclose(table_train["t0_logits_A0"], np.hstack([logits, a0.reshape(16, -1)]), atol=4e-4)
+    np.testing.assert_allclose(table_train["t0"], 1 / (1 + np.exp(-table_train["t0_logits"])), atol=1e-6)
     # and, with the table's own features of the upright test digits, give its figure for t0
     t0_test = study._batched(study._features(capsules, vae), x_test)["t0"]
     assert metrics.linear_probe(table_train["t0"], y_train, t0_test, y_test) == found["probe_accuracy"]["t0"]["0"]
