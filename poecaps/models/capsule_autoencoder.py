@@ -160,9 +160,12 @@ def _ascent(model, images, values, names, steps, learning_rate, seed, optimizer,
 
     `optimizer` "adam": Adam's update (Kingma and Ba, algorithm 1); "sgd":
     plain gradient ascent, `x <- x + learning_rate * grad`. Step `t` draws the
-    presences with the stateless seed `[seed, t]`.
+    presences with the stateless seed `[seed, t]`. The loop is compiled by
+    XLA: its CPU reductions run in a fixed order, so a run repeats bit for
+    bit in a new process, which the threaded eager kernels do not promise.
+    XLA's stateless draws differ from the eager kernels' at the same seed.
     """
-    @tf.function
+    @tf.function(jit_compile=True)
     def run(images, values):
         def step(t, values, first, second):
             with tf.GradientTape() as tape:
@@ -337,7 +340,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
         From the encoders' output (or `parameters`), with the model's weights
         fixed, ascend `bound_terms` (one fresh draw of the presences per
-        step, a pure function of `seed`). `optimizer`: "adam" (the default)
+        step, a pure function of `seed`; compiled by XLA, so a run repeats
+        bit for bit in a new process). `optimizer`: "adam" (the default)
         or "sgd", plain gradient ascent `x <- x + learning_rate * dL/dx` (the
         paper's "basic gradient descent"). Adam moves each coordinate by
         about `learning_rate` per step whatever the size of its gradient;
