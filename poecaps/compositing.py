@@ -22,6 +22,9 @@ import tensorflow as tf
 # |det P| is kept at least this large when a pose is inverted.
 _MIN_DET = 1e-4
 
+# The identity pose's six entries.
+IDENTITY = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+
 
 def homogeneous(pose):
     """Poses `[..., 6]` (the top two rows, row-major) as homogeneous matrices `[..., 3, 3]`."""

@@ -602,3 +602,36 @@ def test_the_trainer_steps_on_the_objective():
     np.testing.assert_allclose(flat(moved), flat(grads["objective"]), atol=1e-4 * scale)
     # and the bound's step is told apart from it: they differ by ten times that tolerance at least
     assert np.abs(flat(grads["objective"]) - flat(grads["bound"])).max() > 1e-3 * scale
+
+
+def test_the_equivariant_top_encoder_keeps_the_presences_and_moves_the_poses_when_the_parts_turn():
+    """Every part pose moved by one rotation and translation `R`: the top presence logits stay, the top poses
+    `P_i = I + A_i` become `R P_i` (NumPy products); the plain encoder's presences move."""
+    from poecaps.models.capsule_autoencoder import ProbabilisticCapsuleAutoencoder
+
+    generative = ProbabilisticCapsules(image_size=(12, 12), num_top=3, num_parts=4, template_size=5, seed=1)
+    sizes = {"channels": 8, "hidden": 16, "encoding": 8, "blocks": 2, "inducing": 4, "heads": 2, "seed": 2}
+    equivariant = ProbabilisticCapsuleAutoencoder(generative, equivariant_top=True, **sizes)
+    plain = ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules.from_config(generative.get_config()), **sizes)
+    rng = np.random.default_rng(3)
+    presence = tf.constant(rng.uniform(0.2, 0.9, (5, 4)).astype("float32"))
+    pose = rng.normal(0.0, 0.3, (5, 4, 6)).astype("float32")
+    identity = np.array(compositing.IDENTITY)
+    square = lambda p: np.vstack([np.reshape(p, (2, 3)), [0.0, 0.0, 1.0]])
+    for angle in (0.7, math.pi):
+        c, s = math.cos(angle), math.sin(angle)
+        motion = np.array([[c, -s, 0.2], [s, c, -0.1], [0.0, 0.0, 1.0]])
+        moved = np.array([[(motion @ square(p + identity))[:2].ravel() for p in image] for image in pose]) - identity
+        moved = tf.constant(moved.astype("float32"))
+        logits, top = (x.numpy() for x in equivariant.encode_top(presence, tf.constant(pose)))
+        moved_logits, moved_top = (x.numpy() for x in equivariant.encode_top(presence, moved))
+        # float32 rounding of the moved poses (|P| < 3, eps 1.2e-7: ~1e-6 in the frame's angle over the parts'
+        # spread, > 0.05 here), then a few-fold through the encoder's layers; a missing frame moves them by > 1e-2
+        np.testing.assert_allclose(moved_logits, logits, atol=1e-4)
+        expected = np.array([[(motion @ square(p + identity))[:2].ravel() for p in image] for image in top])
+        np.testing.assert_allclose(moved_top + identity, expected, atol=1e-4)
+        changed = plain.encode_top(presence, moved)[0].numpy() - plain.encode_top(presence, tf.constant(pose))[0]
+        assert np.abs(changed).max() > 1e-2
+    assert ProbabilisticCapsuleAutoencoder.from_config(equivariant.get_config()).equivariant_top
+    with pytest.raises(TypeError, match="equivariant_top"):
+        ProbabilisticCapsuleAutoencoder(generative, equivariant_top=1, **sizes)

@@ -74,6 +74,22 @@ object capsules' likelihood: the part encoder then learns from
 to suit the top layer. The bound's value is unchanged; `refine` and
 evaluation (`training` false) take the full gradient.
 
+Equivariant top encoder (optional, not in the paper; off by default).
+With `equivariant_top=True` the top encoder reads the parts in their own
+rigid frame `F` (`poecaps.frames.rigid_frame` of the part poses `P_j`
+weighted by their presences: their centre, principal axis and the side of
+its third moment) and places the top capsules in it:
+
+    (l_i, Q_i) = set transformer(t_j, F^-1 P_j),     P_i = F Q_i.
+
+The generative model is unchanged by one rotation and translation `R` of
+every pose (`N(R P_j; R P_i M_ij, c^2)` equals `N(P_j; P_i M_ij, c^2)`, `R`
+being orthogonal on each column of the 2 x 3 pose), and this encoder
+matches it: if every part pose moves by `R`, the top presences stay and
+the top poses move by `R`. The frame is held constant in the gradient
+(it turns fast where the parts' spread is nearly round), so the encoders
+learn through `F^-1 P_j` and `F Q_i` with `F` fixed.
+
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
     channels, hidden, encoding, blocks, inducing, heads: encoder sizes
@@ -85,6 +101,8 @@ Args:
     sparsity_classes: `C > 0` in their targets (10).
     detach_parts: hold the parts constant in the top layer's terms in
         training (False).
+    equivariant_top: read the parts in their rigid frame and place the top
+        capsules in it (False).
     seed: seed of the encoders' initial weights.
 
 Call arguments:
@@ -102,7 +120,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from poecaps import compositing, concrete
+from poecaps import compositing, concrete, frames
 from poecaps.layers.set_attention import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
 
@@ -197,7 +215,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
                  specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0, sparsity_classes=10,
-                 detach_parts=False, seed=0, **kwargs):
+                 detach_parts=False, equivariant_top=False, seed=0, **kwargs):
         super().__init__(**kwargs)
         self.specialisation = _weight("specialisation", specialisation)
         self.within_sparsity = _weight("within_sparsity", within_sparsity)
@@ -206,6 +224,9 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         if not isinstance(detach_parts, bool):
             raise TypeError(f"detach_parts must be True or False. Received: detach_parts={detach_parts!r}")
         self.detach_parts = detach_parts
+        if not isinstance(equivariant_top, bool):
+            raise TypeError(f"equivariant_top must be True or False. Received: equivariant_top={equivariant_top!r}")
+        self.equivariant_top = equivariant_top
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
@@ -249,15 +270,22 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
     def encode_top(self, part_presence, part_pose, training=False):
         """`(presence logits [B, K], poses A_i [B, K, 6])` of q(t_i, A_i | t_j, A_j)."""
         n = self.generative.num_parts
+        identity = tf.constant(compositing.IDENTITY, part_pose.dtype)
+        if self.equivariant_top:
+            frame = tf.stop_gradient(frames.rigid_frame(part_pose + identity, part_presence))
+            part_pose = frames.to_frame(frame, part_pose + identity) - identity
         parts = ops.reshape(ops.concatenate([part_presence[..., None], part_pose], axis=-1), (-1, n * 7))
         parts = ops.reshape(self.part_normalisation(parts, training=training), (-1, n, 7))
-        identity = ops.broadcast_to(ops.eye(n)[None], (ops.shape(part_pose)[0], n, n))
-        h = self.embed(ops.concatenate([parts, identity], axis=-1))
+        index = ops.broadcast_to(ops.eye(n)[None], (ops.shape(part_pose)[0], n, n))
+        h = self.embed(ops.concatenate([parts, index], axis=-1))
         for block in self.isabs:
             h = block(h)
         code = self.to_encoding(self.pool(h)[:, 0])
         k = self.generative.num_top
-        return self.top_presence_mlp(code), ops.reshape(self.top_pose_mlp(code), (-1, k, 6))
+        top_pose = ops.reshape(self.top_pose_mlp(code), (-1, k, 6))
+        if self.equivariant_top:
+            top_pose = frames.from_frame(frame, top_pose + identity) - identity
+        return self.top_presence_mlp(code), top_pose
 
     def call(self, images, training=False):
         part_logits, part_pose = self.encode_parts(images)
@@ -369,5 +397,6 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                 "hidden": self.hidden, "encoding": self.encoding, "blocks": self.blocks,
                 "inducing": self.inducing, "heads": self.heads, "specialisation": self.specialisation,
                 "within_sparsity": self.within_sparsity, "between_sparsity": self.between_sparsity,
-                "sparsity_classes": self.sparsity_classes, "detach_parts": self.detach_parts, "seed": self.seed,
+                "sparsity_classes": self.sparsity_classes, "detach_parts": self.detach_parts,
+                "equivariant_top": self.equivariant_top, "seed": self.seed,
                 "name": self.name}

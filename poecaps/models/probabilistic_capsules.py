@@ -62,7 +62,7 @@ import tensorflow as tf
 from poecaps import compositing, concrete
 from poecaps.routing.base import RoutingResult
 
-_IDENTITY = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+_IDENTITY = compositing.IDENTITY
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
