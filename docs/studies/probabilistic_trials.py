@@ -2,7 +2,7 @@
 
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
            [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
-           [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--seed 0]
+           [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--equivariant-top] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
 Adam 1e-3, batch 64; no VAE) for a few epochs with the pose spread's floor
@@ -12,7 +12,8 @@ top capsules' prior presence `p` fixed at P instead of learned; with
 training objective; with `--within-sparsity` / `--between-sparsity`,
 Kosiorek et al.'s prior sparsity losses weighted by A / B, 10 classes;
 with `--detach-parts`, the parts held constant in the top layer's terms;
-`ProbabilisticCapsuleAutoencoder`'s docstring), then
+with `--equivariant-top`, the top encoder reading the parts in their rigid
+frame; `ProbabilisticCapsuleAutoencoder`'s docstring), then
 writes to OUT.json:
 
 - the trainer's running bound and terms after each epoch;
@@ -21,7 +22,12 @@ writes to OUT.json:
   and the share of each capsule's variance over images that lies between
   the class means (1 would be a presence set by the class alone);
 - linear probes on `t0` and on `(t0, A0)`, trained on the unrotated training
-  digits, tested on the test digits rotated by 0, 45, 90 and 180 degrees.
+  digits, tested on the test digits rotated by 0, 45, 90 and 180 degrees
+  and under the probe table's affine stand-in (drawn at `--seed`);
+- how far the parts' rigid frame (`poecaps.frames`) turns when a test
+  digit is rotated: the median over digits of the frame's turn, wrapped to
+  (-180, 180], and of its distance from the digit's turn (0 for parts
+  whose positions turn with the digit).
 
 A top layer like the paper's (a capsule per kind of digit, switched on and
 off) has presences spread near 0.5 over images; the two runs in
@@ -36,20 +42,28 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from poecaps import metrics, transforms
+from poecaps import compositing, frames, metrics, transforms
 from poecaps.experiments import probabilistic_capsules as study
 from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsules
 from poecaps.trainers.variational import VariationalTrainer
 
 
 def _features(model, images):
+    """`(t0 [B, K], A0 [B, 6K], the parts' frame angle in degrees [B])` of the encoder's output."""
     step = tf.function(lambda x: model.variational_parameters(x))
-    t0, a0 = [], []
+    t0, a0, angle = [], [], []
     for s in range(0, len(images), 250):
         found = step(tf.constant(images[s:s + 250]))
         t0.append(tf.sigmoid(found["top_logits"]).numpy())
         a0.append(tf.reshape(found["top_pose"], [len(found["top_pose"]), -1]).numpy())
-    return np.concatenate(t0), np.concatenate(a0)
+        frame = frames.rigid_frame(found["part_pose"] + tf.constant(compositing.IDENTITY),
+                                   tf.sigmoid(found["part_logits"])).numpy()
+        angle.append(np.degrees(np.arctan2(frame[:, 3], frame[:, 0])))
+    return np.concatenate(t0), np.concatenate(a0), np.concatenate(angle)
+
+
+def _wrapped(degrees):
+    return (np.asarray(degrees) + 180.0) % 360.0 - 180.0
 
 
 def main():
@@ -64,6 +78,7 @@ def main():
     p.add_argument("--within-sparsity", type=float, default=0.0, help="weight of S_within (prior sparsity)")
     p.add_argument("--between-sparsity", type=float, default=0.0, help="weight of S_between (prior sparsity)")
     p.add_argument("--detach-parts", action="store_true", help="hold the parts constant in the top layer's terms")
+    p.add_argument("--equivariant-top", action="store_true", help="the top encoder reads the parts in their frame")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
@@ -74,7 +89,8 @@ def main():
     model = ProbabilisticCapsuleAutoencoder(
         ProbabilisticCapsules(image_size=(40, 40), c_min=args.c_min, temperature=args.temperature, seed=args.seed),
         specialisation=args.specialisation, within_sparsity=args.within_sparsity,
-        between_sparsity=args.between_sparsity, detach_parts=args.detach_parts, seed=args.seed)
+        between_sparsity=args.between_sparsity, detach_parts=args.detach_parts,
+        equivariant_top=args.equivariant_top, seed=args.seed)
     if args.top_prior is not None:
         model(tf.constant(x[:2]))                                        # builds the weights
         logits = model.generative.top_logits
@@ -90,21 +106,34 @@ def main():
               f"sparsity within {curve[-1]['top_sparsity_within']:.3f} between {curve[-1]['top_sparsity_between']:.1f}",
               flush=True)
     seconds = time.perf_counter() - start
-    t0, a0 = _features(model, x)
+    t0, a0, _ = _features(model, x)
     between = np.mean([np.square(t0[y == k].mean(0) - t0.mean(0)) for k in range(10)], 0)
-    probes = {}
-    for angle in (0, 45, 90, 180):
-        t0_test, a0_test = _features(model, np.asarray(transforms.rotate(x_test, float(angle))))
-        probes[str(angle)] = {
+    tests = {str(angle): np.asarray(transforms.rotate(x_test, float(angle))) for angle in (0, 45, 90, 180)}
+    tests["affine"] = np.asarray(transforms.random_affine(x_test, seed=keras.random.SeedGenerator(args.seed),
+                                                          **study.AFFINE))
+    probes, frame_turn, upright_angle = {}, {}, None
+    for condition, images in tests.items():
+        t0_test, a0_test, angle = _features(model, images)
+        if condition == "0":
+            upright_angle = angle
+        elif condition != "affine":
+            turn = _wrapped(angle - upright_angle)
+            # `transforms.rotate` by +a degrees takes (x, y) = (0.5, 0) to (0, 0.5) in poecaps.compositing's frame
+            # (y down the rows): a turn by +a of the frame's angle atan2(F_yx, F_xx)
+            frame_turn[condition] = {"median_turn": float(np.median(turn)),
+                                     "median_error": float(np.median(np.abs(_wrapped(turn - float(condition)))))}
+        probes[condition] = {
             "t0": metrics.linear_probe(t0, y, t0_test, y_test),
             "t0_A0": metrics.linear_probe(np.hstack([t0, a0]), y, np.hstack([t0_test, a0_test]), y_test)}
-        print(f"probe {angle}: " + ", ".join(f"{k} {v:.3f}" for k, v in probes[str(angle)].items()), flush=True)
+        print(f"probe {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in probes[condition].items()), flush=True)
+    print(f"frame turn: {frame_turn}", flush=True)
     r = lambda a: np.round(np.asarray(a, "float64"), 4).tolist()
     result = {"settings": vars(args), "train_images": len(x), "test_images": len(x_test), "seconds": seconds,
               "curve": curve, "top_presence_mean": r(t0.mean(0)), "top_presence_std_over_images": r(t0.std(0)),
               "top_presence_between_class_share": r(between / np.maximum(t0.var(0), 1e-12)),
               "pose_spread_mean": float(model.generative.spreads().numpy().mean()),
-              "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes}
+              "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes,
+              "frame_turn": frame_turn}
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=2)
     print(json.dumps({k: result[k] for k in ("top_presence_std_over_images", "probes")}))
