@@ -162,6 +162,20 @@ def test_bad_arguments():
         TopDownAttention(beta=0)
 
 
+def test_inference_builds_the_layer_and_wrong_children_are_refused(rng):
+    """`infer` before any call builds the weights for its children (as calling the layer does); children of
+    another size, or generating before the number of children is known, raise a clear error."""
+    layer = GenerativeCapsules(3, 4, 4, seed=1)
+    with pytest.raises(ValueError, match="no weights yet"):
+        layer.generate(tf.zeros((2, 3, 4)), [1, 2])
+    children = tf.constant(rng.normal(size=(2, 24, 4)).astype("float32"))
+    assert layer.infer(children).coefficients.shape == (2, 24, 3) and layer.maps.shape[0] == 24
+    with pytest.raises(ValueError, match="built for 24 children"):
+        layer.infer(children[:, :23])
+    with pytest.raises(ValueError, match=r"children must be \[batch, children, 4\]"):
+        layer.posterior(tf.zeros((2, 24, 5)), tf.zeros((2, 3, 4)))
+
+
 def test_the_trainer_raises_the_bound_on_children_of_another_layer(rng):
     """Generalised EM: children drawn from a teacher; the student's bound at its inferred parents rises."""
     from poecaps.trainers.generative import GenerativeCapsuleTrainer

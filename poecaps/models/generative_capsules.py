@@ -102,10 +102,28 @@ class GenerativeCapsules(keras.layers.Layer):
                                          initializer=keras.initializers.Constant(math.log(self.sigma)))
         self.mix_logits = self.add_weight(name="mix_logits", shape=pairs, initializer="zeros")
 
+    def _children(self, children):
+        """`children` as a tensor `[B, I, D_c]`; the layer is built for them on first use (`I` fixes `G_ij`)."""
+        children = tf.convert_to_tensor(children)
+        if children.shape.rank != 3 or children.shape[-1] != self.child_dim:
+            raise ValueError(f"children must be [batch, children, {self.child_dim}]. Received: shape={children.shape}")
+        if not self.built:
+            self.build(children.shape)
+        elif children.shape[1] is not None and children.shape[1] != self.maps.shape[0]:
+            raise ValueError(f"this layer was built for {self.maps.shape[0]} children. "
+                             f"Received: shape={children.shape}")
+        return children
+
+    def _require_built(self):
+        if not self.built:
+            raise ValueError("GenerativeCapsules has no weights yet: the number of children fixes them. Call the "
+                             "layer (or `infer`) on children, or `build((None, children, child_dim))`, first.")
+
     # --- the model ---------------------------------------------------------------------------
 
     def predictions(self, v):
         """`U_ij = G_ij v_j`: `[B, J, D_p]` -> `[B, I, J, D_c]`."""
+        self._require_built()
         # [I, J, D_c, D_p] x [B, J, D_p] -> [B, I, J, D_c]
         return tf.einsum("ijcp,bjp->bijc", tf.cast(self.maps, v.dtype), v)
 
@@ -128,6 +146,7 @@ class GenerativeCapsules(keras.layers.Layer):
 
     def log_joint(self, children, v, r, activations=None, params=None):
         """The bound `L(v, r)` `[B]` (equal to `log p(V, v)` when r is the posterior over the parents)."""
+        children = self._children(children)
         params = params or self._parameters(children.dtype)
         a = tf.ones(tf.shape(children)[:2], children.dtype) if activations is None else activations
         log_lik = self.child_log_likelihoods(children, v, params)
@@ -138,11 +157,13 @@ class GenerativeCapsules(keras.layers.Layer):
 
     def posterior(self, children, v, params=None):
         """The E-step: `r_ij = softmax_j(log pi_ij + log p(V_i | j, v))`."""
+        children = self._children(children)
         params = params or self._parameters(children.dtype)
         return tf.nn.softmax(params["log_pi"] + self.child_log_likelihoods(children, v, params), axis=-1)
 
     def bottom_up(self, children, activations=None):
         """The start of inversion: the Gaussian closed form of the spec with uniform r (mean votes)."""
+        children = self._children(children)
         dtype = children.dtype
         a = tf.ones(tf.shape(children)[:2], dtype) if activations is None else activations
         g = tf.cast(self.maps, dtype)
@@ -163,7 +184,7 @@ class GenerativeCapsules(keras.layers.Layer):
             also the bound after the start and after each iteration
             (`[iterations + 1, B]`).
         """
-        children = tf.convert_to_tensor(children)
+        children = self._children(children)
         dtype = children.dtype
         a = tf.ones(tf.shape(children)[:2], dtype) if activations is None else tf.cast(activations, dtype)
         params = {k: tf.stop_gradient(t) for k, t in self._parameters(dtype).items()}
@@ -201,6 +222,7 @@ class GenerativeCapsules(keras.layers.Layer):
 
         `seed`: a pair of integers (stateless draws).
         """
+        self._require_built()
         v = tf.convert_to_tensor(v)
         dtype = v.dtype
         params = self._parameters(dtype)
