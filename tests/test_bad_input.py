@@ -141,6 +141,13 @@ def test_bad_names_sizes_and_hyperparameters(build, message):
         build()
 
 
+@pytest.mark.parametrize("name", ["dynamic", "em", "similarity", "connectionist", "sparse_inference", "generative"])
+def test_every_routing_refuses_votes_of_another_rank_by_name(name):
+    layer = routing.get(name)
+    with pytest.raises(ValueError, match=rf"layer '{layer.name}'.*expected ndim=4, found ndim=3"):
+        layer(np.zeros((2, 6, 4), "float32"))
+
+
 def test_bad_input_in_a_script_is_one_line_without_a_stack_trace(tmp_path):
     result = subprocess.run(
         [sys.executable, "scripts/baseline.py", "--set", "learning_rate=-1", "--run-dir", str(tmp_path)],

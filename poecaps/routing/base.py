@@ -38,6 +38,8 @@ class Routing(keras.layers.Layer):
                 f"iterations must be a non-negative integer. Received: iterations={iterations!r}"
             )
         self.iterations = iterations
+        # votes of another rank are refused by Keras with the layer's name and both ranks
+        self.input_spec = keras.InputSpec(ndim=4)
 
     def compute_output_spec(self, votes, activations=None, training=None):
         b, _, j, d = votes.shape
