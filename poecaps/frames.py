@@ -20,6 +20,8 @@ moment zero (no side); near there a small change of the poses can turn
 the frame far.
 """
 
+import math
+
 import tensorflow as tf
 
 from poecaps import compositing
@@ -37,8 +39,7 @@ def rigid_frame(poses, weights):
     sxx, syy, sxy = moment(d[..., 0], d[..., 0]), moment(d[..., 1], d[..., 1]), moment(d[..., 0], d[..., 1])
     theta = 0.5 * tf.atan2(2.0 * sxy, sxx - syy)
     along = d[..., 0] * tf.cos(theta)[:, None] + d[..., 1] * tf.sin(theta)[:, None]
-    theta = tf.where(tf.reduce_sum(weights * along ** 3, -1) < 0, theta + tf.constant(3.141592653589793, poses.dtype),
-                     theta)
+    theta = tf.where(tf.reduce_sum(weights * along ** 3, -1) < 0, theta + math.pi, theta)
     cos, sin = tf.cos(theta), tf.sin(theta)
     return tf.stack([cos, -sin, m[:, 0], sin, cos, m[:, 1]], -1)
 
