@@ -635,3 +635,17 @@ def test_the_equivariant_top_encoder_keeps_the_presences_and_moves_the_poses_whe
     assert ProbabilisticCapsuleAutoencoder.from_config(equivariant.get_config()).equivariant_top
     with pytest.raises(TypeError, match="equivariant_top"):
         ProbabilisticCapsuleAutoencoder(generative, equivariant_top=1, **sizes)
+
+
+def test_images_of_another_size_are_refused_by_name():
+    """The encoder would read them and the renderer draw the model's size: a silent mismatch, refused instead."""
+    model, vae = _tiny_autoencoder(), _tiny_vae()
+    wrong = np.zeros((2, 28, 28, 1), "float32")
+    message = r"ProbabilisticCapsuleAutoencoder takes images of shape \[batch, 12, 12, 1\]. Received: shape=\(2, 28"
+    for use in (model, model.variational_parameters, lambda x: model.refine(x, 1), model.bound):
+        with pytest.raises(ValueError, match=message):
+            use(wrong)
+    with pytest.raises(ValueError, match=r"shape=\(2, 12, 12\)"):
+        model(np.zeros((2, 12, 12), "float32"))
+    with pytest.raises(ValueError, match=r"VariationalAutoencoder takes images of shape \[batch, 6, 5, 1\]"):
+        vae.bound(wrong)

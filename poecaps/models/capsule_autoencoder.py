@@ -123,6 +123,7 @@ from keras import ops
 from poecaps import compositing, concrete, frames
 from poecaps.layers.set_attention import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
+from poecaps.validation import check_image_batch
 
 
 def _coordinates(images):
@@ -258,6 +259,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
     def encode_parts(self, images):
         """`(presence logits [B, N], poses A_j [B, N, 6])` of q(t_j, A_j | X)."""
+        check_image_batch(images, self.generative.image_size, type(self).__name__)
         h = ops.concatenate([images, _coordinates(images)], axis=-1)
         for conv in self.convs:
             h = conv(h)
@@ -310,6 +312,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         between_sparsity * S_between`.
         """
         g = self.generative
+        check_image_batch(images, g.image_size, type(self).__name__)
         seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
         part_presence = concrete.sample(part_logits, g.temperature, seeds[0])
         seen_presence, seen_pose = part_presence, part_pose                 # the parts as the top layer sees them

@@ -28,6 +28,8 @@ import math
 import keras
 import tensorflow as tf
 
+from poecaps.validation import check_image_batch
+
 _LOG_2PI = math.log(2.0 * math.pi)
 
 
@@ -56,6 +58,7 @@ class VariationalAutoencoder(keras.Model):
 
     def encode(self, images):
         """`(mu, sigma)`, each `[B, L]`."""
+        check_image_batch(images, self.image_size, type(self).__name__)
         h = self.encoder(images)
         return h[:, :self.latent], tf.nn.softplus(h[:, self.latent:]) + 1e-4
 
