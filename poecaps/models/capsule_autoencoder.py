@@ -156,6 +156,13 @@ def _weight(name, value, positive=False):
     return float(value)
 
 
+def _flag(name, value):
+    """`value` if it is True or False; else a clear TypeError."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
+    return value
+
+
 def presence_information(top_logits):
     """`I`: the information a batch's top presences carry about the image, in nats (a scalar).
 
@@ -222,12 +229,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         self.within_sparsity = _weight("within_sparsity", within_sparsity)
         self.between_sparsity = _weight("between_sparsity", between_sparsity)
         self.sparsity_classes = _weight("sparsity_classes", sparsity_classes, positive=True)
-        if not isinstance(detach_parts, bool):
-            raise TypeError(f"detach_parts must be True or False. Received: detach_parts={detach_parts!r}")
-        self.detach_parts = detach_parts
-        if not isinstance(equivariant_top, bool):
-            raise TypeError(f"equivariant_top must be True or False. Received: equivariant_top={equivariant_top!r}")
-        self.equivariant_top = equivariant_top
+        self.detach_parts = _flag("detach_parts", detach_parts)
+        self.equivariant_top = _flag("equivariant_top", equivariant_top)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
