@@ -382,6 +382,43 @@ def test_refine_by_plain_gradient_ascent_takes_the_bounds_gradient_step():
     assert np.all(after > before), (before, after)
 
 
+def test_refine_of_the_parts_alone_steps_on_the_parts_and_reads_the_top_from_the_encoder():
+    model = _tiny_autoencoder()
+    images = tf.constant(np.random.default_rng(4).uniform(size=(3, 12, 12, 1)).astype("float32"))
+    start = model.variational_parameters(images)
+    names = ["part_logits", "part_pose"]
+    values = [tf.identity(start[n]) for n in names]
+
+    @tf.function(jit_compile=True)        # as refine runs: XLA's stateless draws differ from the eager kernels'
+    def gradient(values):
+        with tf.GradientTape() as tape:   # no top parameters: the top encoder reads the drawn parts
+            tape.watch(values)
+            bound = model.bound_terms(images, **dict(zip(names, values)), seed=tf.constant([7, 0], tf.int64))["bound"]
+            total = tf.reduce_sum(bound)
+        return tape.gradient(total, values)
+
+    grads = dict(zip(names, gradient(values)))
+    one = model.refine(images, 1, learning_rate=1e-3, parameters=start, seed=7, optimizer="sgd", parts_only=True)
+    for n in names:
+        expected = start[n].numpy() + 1e-3 * grads[n].numpy()
+        step = np.abs(1e-3 * grads[n].numpy()).max()
+        assert step > 1e-4                                # the step stands well above the tolerance
+        np.testing.assert_allclose(one[n].numpy(), expected, rtol=0, atol=1e-3 * step + 1e-6)
+    # the top is the encoder's reading of the refined parts' presence means, not a step of its own
+    top_logits, top_pose = model.encode_top(tf.sigmoid(one["part_logits"]), one["part_pose"])
+    np.testing.assert_allclose(one["top_logits"].numpy(), top_logits.numpy(), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(one["top_pose"].numpy(), top_pose.numpy(), rtol=0, atol=1e-6)
+    assert np.abs(one["top_logits"].numpy() - start["top_logits"].numpy()).max() > 1e-6   # it moved with the parts
+    refined = model.refine(images, 30, learning_rate=1e-3, parameters=start, seed=7, optimizer="sgd",
+                           parts_only=True)
+    parts = lambda found: {n: found[n] for n in names}
+    before = model.mean_bound(images, parts(start), draws=16, seed=9).numpy()
+    after = model.mean_bound(images, parts(refined), draws=16, seed=9).numpy()
+    assert np.all(after > before), (before, after)
+    with pytest.raises(TypeError, match="parts_only must be True or False"):
+        model.refine(images, 1, parts_only="yes")
+
+
 def _tiny_vae():
     from poecaps.models import VariationalAutoencoder
 

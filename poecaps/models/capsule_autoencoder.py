@@ -369,7 +369,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             total += self.bound_terms(images, **parameters, seed=seeds[d])["bound"]
         return total / draws
 
-    def refine(self, images, steps, learning_rate=0.01, parameters=None, seed=0, optimizer="adam"):
+    def refine(self, images, steps, learning_rate=0.01, parameters=None, seed=0, optimizer="adam", parts_only=False):
         """Test-time optimisation: `steps` gradient steps on the bound in each image's variational parameters.
 
         From the encoders' output (or `parameters`), with the model's weights
@@ -382,7 +382,13 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         plain ascent moves it in proportion to its gradient, so its stable rate
         is set by the coordinates of largest curvature. Both act coordinate-wise on the
         sum of the images' bounds, so each image's parameters follow their
-        own bound alone. Returns the refined parameters (the dict of
+        own bound alone. With `parts_only`, only the parts' parameters
+        (`part_logits`, `part_pose`) are refined, and the top layer's
+        posterior stays amortised: in each step's bound the top encoder
+        reads the drawn parts (so the parts also follow the gradient through
+        the top encoder), and the returned `top_logits`, `top_pose` are the
+        top encoder's reading of the refined parts' presence means, as in
+        `variational_parameters`. Returns the refined parameters (the dict of
         `variational_parameters`).
         """
         if not isinstance(steps, int) or steps < 0:
@@ -392,11 +398,15 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: optimizer={optimizer!r}")
         images = tf.convert_to_tensor(images)
+        _flag("parts_only", parts_only)
         start = self.variational_parameters(images) if parameters is None else parameters
-        names = sorted(start)
-        found = _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names, steps,
-                        float(learning_rate), int(seed), optimizer)
-        return dict(zip(names, found))
+        names = ["part_logits", "part_pose"] if parts_only else sorted(start)
+        found = dict(zip(names, _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names,
+                                        steps, float(learning_rate), int(seed), optimizer)))
+        if parts_only:
+            found["top_logits"], found["top_pose"] = self.encode_top(tf.sigmoid(found["part_logits"]),
+                                                                     found["part_pose"])
+        return found
 
     def get_config(self):
         return {"generative": keras.saving.serialize_keras_object(self.generative), "channels": self.channels,
