@@ -2,7 +2,8 @@
 
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
            [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
-           [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--equivariant-top] [--seed 0]
+           [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--equivariant-top]
+           [--refine-parts STEPS [--refine-every 4]] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
 Adam 1e-3, batch 64; no VAE) for a few epochs with the pose spread's floor
@@ -28,6 +29,11 @@ writes to OUT.json:
   digit is rotated: the median over digits of the frame's turn, wrapped to
   (-180, 180], and of its distance from the digit's turn (0 for parts
   whose positions turn with the digit).
+- with `--refine-parts STEPS`, the same probes and frame turns read after
+  refining the parts alone (`refine(..., parts_only=True)`: STEPS Adam
+  steps, learning rate 0.01, the top read by the top encoder from the
+  refined parts) on every `--refine-every`-th training and test digit,
+  beside the encoder's reading of the same digits (`refined_parts`).
 
 A top layer like the paper's (a capsule per kind of digit, switched on and
 off) has presences spread near 0.5 over images; the two runs in
@@ -62,6 +68,36 @@ def _features(model, images):
     return np.concatenate(t0), np.concatenate(a0), np.concatenate(angle)
 
 
+def _refined_features(model, images, steps, seed):
+    """`_features` after `steps` Adam steps on the parts alone, the top read by the top encoder."""
+    t0, a0, angle = [], [], []
+    for s in range(0, len(images), 250):
+        found = model.refine(tf.constant(images[s:s + 250]), steps, seed=seed, parts_only=True)
+        t0.append(tf.sigmoid(found["top_logits"]).numpy())
+        a0.append(tf.reshape(found["top_pose"], [len(found["top_pose"]), -1]).numpy())
+        frame = frames.rigid_frame(found["part_pose"] + tf.constant(compositing.IDENTITY),
+                                   tf.sigmoid(found["part_logits"])).numpy()
+        angle.append(np.degrees(np.arctan2(frame[:, 3], frame[:, 0])))
+    return np.concatenate(t0), np.concatenate(a0), np.concatenate(angle)
+
+
+def _read(train, y, tests, y_test):
+    """Probes and frame turns of one reading: `train` `(t0, A0, angle)`; `tests` {condition: the same}."""
+    t0, a0, _ = train
+    probes, frame_turn = {}, {}
+    for condition, (t0_test, a0_test, angle) in tests.items():
+        if condition not in ("0", "affine"):
+            turn = _wrapped(angle - tests["0"][2])
+            # `transforms.rotate` by +a degrees takes (x, y) = (0.5, 0) to (0, 0.5) in poecaps.compositing's frame
+            # (y down the rows): a turn by +a of the frame's angle atan2(F_yx, F_xx)
+            frame_turn[condition] = {"median_turn": float(np.median(turn)),
+                                     "median_error": float(np.median(np.abs(_wrapped(turn - float(condition)))))}
+        probes[condition] = {
+            "t0": metrics.linear_probe(t0, y, t0_test, y_test),
+            "t0_A0": metrics.linear_probe(np.hstack([t0, a0]), y, np.hstack([t0_test, a0_test]), y_test)}
+    return {"probes": probes, "frame_turn": frame_turn}
+
+
 def _wrapped(degrees):
     return (np.asarray(degrees) + 180.0) % 360.0 - 180.0
 
@@ -79,8 +115,14 @@ def main():
     p.add_argument("--between-sparsity", type=float, default=0.0, help="weight of S_between (prior sparsity)")
     p.add_argument("--detach-parts", action="store_true", help="hold the parts constant in the top layer's terms")
     p.add_argument("--equivariant-top", action="store_true", help="the top encoder reads the parts in their frame")
+    p.add_argument("--refine-parts", type=int, default=0, metavar="STEPS",
+                   help="also read the probes after STEPS Adam steps on the parts alone (default: 0, off)")
+    p.add_argument("--refine-every", type=int, default=4, help="refine every this many-th digit (default: 4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.refine_parts < 0 or args.refine_every < 1:
+        p.error(f"--refine-parts must be >= 0 and --refine-every >= 1. Received: {args.refine_parts}, "
+                f"{args.refine_every}")
     if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
         p.error(f"--top-prior must be in (0, 1). Received: {args.top_prior}")
     x, y = study.load_digits(args.data_dir, "train", 40)
@@ -134,6 +176,23 @@ def main():
               "pose_spread_mean": float(model.generative.spreads().numpy().mean()),
               "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes,
               "frame_turn": frame_turn}
+    if args.refine_parts:
+        every, start = args.refine_every, time.perf_counter()
+        train, y_sub, y_test_sub = x[::every], y[::every], y_test[::every]
+        subsets = {condition: images[::every] for condition, images in tests.items()}
+        result["refined_parts"] = {
+            "steps": args.refine_parts, "train_digits": len(train), "test_digits": len(y_test_sub),
+            "encoder": _read(_features(model, train), y_sub, {c: _features(model, i) for c, i in subsets.items()},
+                             y_test_sub),
+            "refined": _read(_refined_features(model, train, args.refine_parts, args.seed), y_sub,
+                             {c: _refined_features(model, i, args.refine_parts, args.seed)
+                              for c, i in subsets.items()}, y_test_sub)}
+        result["refined_parts"]["seconds"] = time.perf_counter() - start
+        for reading in ("encoder", "refined"):
+            found = result["refined_parts"][reading]
+            print(f"{reading} on every {every}th digit: " + " | ".join(
+                f"{c}: {v['t0']:.3f}, {v['t0_A0']:.3f}" for c, v in found["probes"].items())
+                + f"; frame turn {found['frame_turn']}", flush=True)
     with open(args.out, "w") as handle:
         json.dump(result, handle, indent=2)
     print(json.dumps({k: result[k] for k in ("top_presence_std_over_images", "probes")}))
