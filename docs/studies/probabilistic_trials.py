@@ -54,12 +54,16 @@ from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsule
 from poecaps.trainers.variational import VariationalTrainer
 
 
-def _features(model, images):
-    """`(t0 [B, K], A0 [B, 6K], the parts' frame angle in degrees [B])` of the encoder's output."""
-    step = tf.function(lambda x: model.variational_parameters(x))
+def _features(model, images, infer=None):
+    """`(t0 [B, K], A0 [B, 6K], the parts' frame angle in degrees [B])` of the encoder's output.
+
+    `infer`: another map from a batch of images to variational parameters
+    (default: the encoders', `variational_parameters`).
+    """
+    infer = infer or tf.function(lambda x: model.variational_parameters(x))
     t0, a0, angle = [], [], []
     for s in range(0, len(images), 250):
-        found = step(tf.constant(images[s:s + 250]))
+        found = infer(tf.constant(images[s:s + 250]))
         t0.append(tf.sigmoid(found["top_logits"]).numpy())
         a0.append(tf.reshape(found["top_pose"], [len(found["top_pose"]), -1]).numpy())
         frame = frames.rigid_frame(found["part_pose"] + tf.constant(compositing.IDENTITY),
@@ -70,15 +74,7 @@ def _features(model, images):
 
 def _refined_features(model, images, steps, seed):
     """`_features` after `steps` Adam steps on the parts alone, the top read by the top encoder."""
-    t0, a0, angle = [], [], []
-    for s in range(0, len(images), 250):
-        found = model.refine(tf.constant(images[s:s + 250]), steps, seed=seed, parts_only=True)
-        t0.append(tf.sigmoid(found["top_logits"]).numpy())
-        a0.append(tf.reshape(found["top_pose"], [len(found["top_pose"]), -1]).numpy())
-        frame = frames.rigid_frame(found["part_pose"] + tf.constant(compositing.IDENTITY),
-                                   tf.sigmoid(found["part_logits"])).numpy()
-        angle.append(np.degrees(np.arctan2(frame[:, 3], frame[:, 0])))
-    return np.concatenate(t0), np.concatenate(a0), np.concatenate(angle)
+    return _features(model, images, lambda x: model.refine(x, steps, seed=seed, parts_only=True))
 
 
 def _read(train, y, tests, y_test):
