@@ -149,21 +149,11 @@ def main():
     tests = {str(angle): np.asarray(transforms.rotate(x_test, float(angle))) for angle in (0, 45, 90, 180)}
     tests["affine"] = np.asarray(transforms.random_affine(x_test, seed=keras.random.SeedGenerator(args.seed),
                                                           **study.AFFINE))
-    probes, frame_turn, upright_angle = {}, {}, None
-    for condition, images in tests.items():
-        t0_test, a0_test, angle = _features(model, images)
-        if condition == "0":
-            upright_angle = angle
-        elif condition != "affine":
-            turn = _wrapped(angle - upright_angle)
-            # `transforms.rotate` by +a degrees takes (x, y) = (0.5, 0) to (0, 0.5) in poecaps.compositing's frame
-            # (y down the rows): a turn by +a of the frame's angle atan2(F_yx, F_xx)
-            frame_turn[condition] = {"median_turn": float(np.median(turn)),
-                                     "median_error": float(np.median(np.abs(_wrapped(turn - float(condition)))))}
-        probes[condition] = {
-            "t0": metrics.linear_probe(t0, y, t0_test, y_test),
-            "t0_A0": metrics.linear_probe(np.hstack([t0, a0]), y, np.hstack([t0_test, a0_test]), y_test)}
-        print(f"probe {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in probes[condition].items()), flush=True)
+    read = _read((t0, a0, None), y, {condition: _features(model, images) for condition, images in tests.items()},
+                 y_test)
+    probes, frame_turn = read["probes"], read["frame_turn"]
+    for condition, found in probes.items():
+        print(f"probe {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()), flush=True)
     print(f"frame turn: {frame_turn}", flush=True)
     r = lambda a: np.round(np.asarray(a, "float64"), 4).tolist()
     result = {"settings": vars(args), "train_images": len(x), "test_images": len(x_test), "seconds": seconds,
