@@ -120,6 +120,7 @@ def evaluate_baseline(run_dir, config=None):
     if not os.path.exists(path):
         raise InputError(f"No trained network at {path}; train it first with scripts/baseline.py.")
     model = load_component(path)
+    run.record_environment("evaluate")
     test, labels, _ = load_images(train_config, "test")
     test, labels = test[:config.test_limit or None], labels[:config.test_limit or None]
     predict = compiled_predictor(model, jit_compile=train_config.xla)

@@ -109,7 +109,7 @@ def train_baseline(config, run_dir, record=None, resume=False):
     if resume:
         _resume_state(run, config, existing)
     else:
-        for name in ("metrics.jsonl", "faults.jsonl"):
+        for name in ("metrics.jsonl", "faults.jsonl", "environment.jsonl"):
             if os.path.exists(run.file(name)):
                 os.remove(run.file(name))
     strategy = distribute.get_strategy(config.strategy)
@@ -117,6 +117,7 @@ def train_baseline(config, run_dir, record=None, resume=False):
     record = record or existing or {"kind": "baseline", "preset": None, "overrides": {}}
     run.write_json("config.json", {**record,
                                    "settings": settings})
+    run.record_environment("train")
     train, train_labels, source = load_images(config, "train")
     test, test_labels, _ = load_images(config, "test")
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1

@@ -219,6 +219,7 @@ def evaluate_run(run_dir, config=None):
     run = RunDir(run_dir, create=False)
     train_config = read_settings(run, LayerwiseConfig)
     pipeline = load_pipeline(run, train_config)
+    run.record_environment("evaluate")
     train, train_labels, _ = load_images(train_config, "train")
     test, test_labels, _ = load_images(train_config, "test")
     classes = int(max(train_labels.max(), test_labels.max())) + 1

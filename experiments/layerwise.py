@@ -277,13 +277,14 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     if not resume:
         for name in os.listdir(run.checkpoints):
             shutil.rmtree(os.path.join(run.checkpoints, name), ignore_errors=True)
-        for name in ("metrics.jsonl", "faults.jsonl"):
+        for name in ("metrics.jsonl", "faults.jsonl", "environment.jsonl"):
             if os.path.exists(run.file(name)):
                 os.remove(run.file(name))
     settings = dataclasses.asdict(config)
     state["settings"] = settings
     run.write_json("config.json", {**(record or {"kind": "layerwise", "preset": None, "overrides": {}}),
                                    "settings": settings})
+    run.record_environment("train")
     strategy = distribute.get_strategy(config.strategy)
     train, _, source = load_images(config, "train")
     test, _, _ = load_images(config, "test")

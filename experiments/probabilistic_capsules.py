@@ -164,8 +164,11 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
         if changed:
             raise InputError(f"{run.path} was trained with other {', '.join(changed)}; resume with the same values.")
     run.write_json("config.json", {"kind": KIND, "settings": settings})
-    if not resume and os.path.exists(run.file("metrics.jsonl")):
-        os.remove(run.file("metrics.jsonl"))                            # a new run: its own curves only
+    if not resume:
+        for name in ("metrics.jsonl", "environment.jsonl"):            # a new run: its own records only
+            if os.path.exists(run.file(name)):
+                os.remove(run.file(name))
+    run.record_environment("train")
     x_train, _ = load_digits(data_dir, "train", canvas)
     x_test, _ = load_digits(data_dir, "test", canvas)
     start = time.perf_counter()
@@ -320,6 +323,7 @@ def _figures(run, capsules, x_test, rotated, rotated_parameters, seed):
 def evaluate_run(run_dir, tto_images=200, tto_steps=200, tto_learning_rate=0.01, seed=0):
     """Test-time optimisation, the probe table and the figures of a trained run; write and return `RUN/eval.json`."""
     run, settings, capsules, vae = load_trained(run_dir)
+    run.record_environment("evaluate")
     keras.utils.set_random_seed(seed)
     start = time.perf_counter()
     x_train, y_train = load_digits(settings["data_dir"], "train", settings["canvas"])

@@ -2,7 +2,9 @@
 
 A run directory holds `config.json` (what kind of run, its preset, the
 overrides and every setting of the last call), `state.json` (what has been
-trained, with the settings of each part), `checkpoints/`, `logs/`
+trained, with the settings of each part), `environment.jsonl` (the
+machine and software of each command that trained or evaluated it, one
+line each, `experiments.environment`), `checkpoints/`, `logs/`
 (TensorBoard), `metrics.jsonl`, `faults.jsonl`, `models/` and PNG figures.
 """
 
@@ -13,6 +15,7 @@ import numpy as np
 
 from poecaps import data as data_lib
 from poecaps.errors import InputError
+from poecaps.experiments import environment
 from poecaps.experiments.configs import KINDS
 from poecaps.experiments.settings import SettingError, specs
 from poecaps.validation import check_images
@@ -80,6 +83,11 @@ class RunDir:
         with open(tmp, "w") as handle:
             json.dump(obj, handle, indent=2, sort_keys=True)
         os.replace(tmp, self.file(name))
+
+    def record_environment(self, action):
+        """Append what this process runs on (`environment.describe(action)`) to `environment.jsonl`."""
+        with open(self.file("environment.jsonl"), "a") as handle:
+            handle.write(json.dumps(environment.describe(action)) + "\n")
 
     def append_metrics(self, record):
         with open(self.file("metrics.jsonl"), "a") as handle:

@@ -12,4 +12,4 @@ import os
 # keep TensorFlow's default.
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

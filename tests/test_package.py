@@ -157,3 +157,13 @@ def test_an_install_claims_only_the_name_poecaps():
         for module in _modules(folder, package):
             parent = module if module in packaged else module.rsplit(".", 1)[0]
             assert parent in packaged, module
+
+
+def test_the_version_is_the_one_pyproject_declares():
+    """`poecaps.__version__`, which every run's `environment.jsonl` records, is the packaged version."""
+    import tomllib
+
+    import poecaps
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        assert poecaps.__version__ == tomllib.load(handle)["project"]["version"]

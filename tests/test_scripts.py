@@ -124,6 +124,25 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     _check_sampler_draws(run, result["poecaps"], result["result_grid"], err)
     _check_class_mean_reference(run, result["class_mean_reference"])
     _check_groups(run, result)
+    # training, its evaluation, the resumed training, evaluate.py; the refused resume and sample.py add nothing
+    _check_environment(run, ["train", "evaluate", "train", "evaluate"],
+                       ["train_layerwise.py", "train_layerwise.py", "train_layerwise.py", "evaluate.py"])
+
+
+def _check_environment(run, actions, scripts):
+    """`environment.jsonl` has a line per command that trained or evaluated, naming this machine's software."""
+    import keras
+    import tensorflow as tf
+
+    with open(os.path.join(run, "environment.jsonl")) as handle:
+        records = [json.loads(line) for line in handle]
+    assert [r["action"] for r in records] == actions
+    assert [os.path.basename(r["argv"][0]) for r in records] == scripts
+    for record in records:
+        assert (record["tensorflow"], record["keras"], record["numpy"]) == (tf.__version__, keras.__version__,
+                                                                            np.__version__)
+        assert record["logical_cpus"] == os.cpu_count() and 1 <= record["usable_cpus"] <= os.cpu_count()
+        assert "/physical_device:CPU:0" in record["devices"]
 
 
 def _draws(seed, rows, capsules, dim):
@@ -233,3 +252,4 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, preset):
     assert again["test_accuracy"] == result["test_accuracy"]
     _, err = _run("evaluate.py", "--run-dir", run, stderr=True, code=2)
     assert "holds a baseline run; this needs a layerwise run" in err
+    _check_environment(run, ["train", "evaluate", "train", "evaluate", "evaluate"], ["baseline.py"] * 5)

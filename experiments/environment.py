@@ -1,0 +1,86 @@
+"""What machine and software a run's figures came from, one JSON line per command.
+
+A seeded run repeats bit for bit on one machine, but another CPU's
+kernels (oneDNN picks them by instruction set) or another TensorFlow sum
+in another order, and a job of many steps carries those differences
+forward. `describe()` records what decides that order, so that two runs
+that disagree can be told apart: the library versions, the CPU and the
+instruction sets its kernels may use, the CPUs this process may use
+(`taskset` narrows them), the thread pools, the devices and
+the environment variables that switch kernels or compilers.
+"""
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+# Instruction sets that change which kernels oneDNN and Eigen run.
+_CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_bf16")
+# Variables that switch kernels, threads or compilers.
+_ENVIRONMENT = ("TF_ENABLE_ONEDNN_OPTS", "TF_XLA_FLAGS", "TF_DETERMINISTIC_OPS", "OMP_NUM_THREADS",
+                "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED")
+
+
+def _cpu():
+    """`(model name, sorted kernel-relevant flags)` from /proc/cpuinfo, or the platform's answer elsewhere."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    model = value.strip()
+                elif key.strip() == "flags":            # the first processor's block ends here
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    return model, sorted(flags.intersection(_CPU_FLAGS))
+
+
+def _git_commit(directory):
+    """The commit of the checkout holding `directory` (with `-dirty` if it has changes), or None."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("-dirty" if changed else "")
+
+
+def describe(action):
+    """A JSON-ready record of this process: `action`, when, the command, software, CPU, threads, devices.
+
+    Reads the physical devices only, so it leaves TensorFlow's device configuration open.
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import poecaps
+
+    model, flags = _cpu()
+    return {
+        "action": action,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(sys.argv),
+        "poecaps": poecaps.__version__,
+        "git_commit": _git_commit(os.path.dirname(os.path.abspath(poecaps.__file__))),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "cpu": model,
+        "cpu_flags": flags,
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "threads": {"intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
+                    "inter_op": tf.config.threading.get_inter_op_parallelism_threads()},
+        "devices": [device.name for device in tf.config.list_physical_devices()],
+        "environment": {name: os.environ[name] for name in _ENVIRONMENT if name in os.environ},
+    }
