@@ -52,6 +52,27 @@ def _ref(value):
         return lambda: value
 
 
+def kept(owner, key, make):
+    """`make(ref)` for `owner` and `key`, made once and kept while the owner's attributes stay bound as they were.
+
+    `ref` is a weak reference to `owner`: what `make` builds (a traced
+    graph that calls `ref()`) must reach its owner through it, so that
+    keeping it does not keep the owner alive. Owners that cannot be weakly
+    referenced get a new `make(ref)` each call.
+    """
+    try:
+        found = _GRAPHS.setdefault(owner, {})
+        ref = weakref.ref(owner)
+    except TypeError:  # not weakly referenceable or not hashable
+        return make(lambda: owner)
+    old = found.get(key)
+    if old is not None and old[0].matches(owner):
+        return old[1]
+    made = make(ref)
+    found[key] = (_Snapshot(owner), made)
+    return made
+
+
 def traced(fn, jit_compile=False):
     """`fn` as a `tf.function` of one argument, kept across calls when `fn` is a bound method.
 
@@ -65,14 +86,5 @@ def traced(fn, jit_compile=False):
     owner, func = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
     if owner is None or func is None:
         return tf.function(fn, reduce_retracing=True, jit_compile=jit_compile)
-    try:
-        kept = _GRAPHS.setdefault(owner, {})
-    except TypeError:  # not weakly referenceable or not hashable
-        return tf.function(fn, reduce_retracing=True, jit_compile=jit_compile)
-    old = kept.get((func, jit_compile))
-    if old is not None and old[0].matches(owner):
-        return old[1]
-    ref = weakref.ref(owner)
-    graph = tf.function(lambda x: func(ref(), x), reduce_retracing=True, jit_compile=jit_compile)
-    kept[func, jit_compile] = (_Snapshot(owner), graph)
-    return graph
+    return kept(owner, (func, jit_compile),
+                lambda ref: tf.function(lambda x: func(ref(), x), reduce_retracing=True, jit_compile=jit_compile))

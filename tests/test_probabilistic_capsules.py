@@ -419,6 +419,30 @@ def test_refine_of_the_parts_alone_steps_on_the_parts_and_reads_the_top_from_the
         model.refine(images, 1, parts_only="yes")
 
 
+def test_refine_compiles_once_for_calls_that_differ_in_steps_rate_seed_or_values(monkeypatch):
+    from poecaps.models import capsule_autoencoder
+
+    traces = []
+    loop = capsule_autoencoder._ascent_loop
+    monkeypatch.setattr(capsule_autoencoder, "_ascent_loop", lambda *args: traces.append(1) or loop(*args))
+    model = _tiny_autoencoder()
+    images = tf.constant(np.random.default_rng(5).uniform(size=(3, 12, 12, 1)).astype("float32"))
+    start = model.variational_parameters(images)
+    model.refine(images, 2, learning_rate=0.05, parameters=start, seed=1)
+    assert len(traces) == 1
+    kept = model.refine(images, 4, learning_rate=0.02, seed=3)               # a new count, rate, seed and start
+    assert len(traces) == 1
+    # the kept loop took this call's numbers, not the first call's: a new, identical model compiles afresh
+    twin = _tiny_autoencoder()
+    twin.set_weights(model.get_weights())
+    fresh = twin.refine(images, 4, learning_rate=0.02, seed=3)
+    assert len(traces) == 2
+    for key in fresh:
+        np.testing.assert_array_equal(kept[key].numpy(), fresh[key].numpy())
+    model.refine(images, 1, optimizer="sgd")                                  # another update rule: its own loop
+    assert len(traces) == 3
+
+
 def _tiny_vae():
     from poecaps.models import VariationalAutoencoder
 

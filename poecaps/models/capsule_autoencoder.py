@@ -120,7 +120,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from poecaps import compositing, concrete, frames
+from poecaps import compositing, concrete, frames, graphs
 from poecaps.layers.set_attention import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
 from poecaps.validation import check_image_batch
@@ -190,29 +190,38 @@ def _ascent(model, images, values, names, steps, learning_rate, seed, optimizer,
     XLA: its CPU reductions run in a fixed order, so a run repeats bit for
     bit in a new process, which the threaded eager kernels do not promise.
     XLA's stateless draws differ from the eager kernels' at the same seed.
+    `steps`, `learning_rate` and `seed` enter the compiled loop as tensors,
+    and the loop is kept with the model (`poecaps.graphs.kept`), so calls
+    that differ only in them, or in the values, reuse one compilation per
+    shape.
     """
-    @tf.function(jit_compile=True)
-    def run(images, values):
-        def step(t, values, first, second):
-            with tf.GradientTape() as tape:
-                tape.watch(values)
-                draw = tf.stack([tf.constant(seed, tf.int64), tf.cast(t, tf.int64)])
-                bound = model.bound_terms(images, **dict(zip(names, values)), seed=draw)["bound"]
-                loss = -tf.reduce_sum(bound)
-            grads = tape.gradient(loss, values)
-            if optimizer == "sgd":
-                return t + 1, [x - learning_rate * g for x, g in zip(values, grads)], first, second
-            first = [beta1 * m + (1.0 - beta1) * g for m, g in zip(first, grads)]
-            second = [beta2 * v + (1.0 - beta2) * tf.square(g) for v, g in zip(second, grads)]
-            k = tf.cast(t + 1, images.dtype)
-            scale = learning_rate * tf.sqrt(1.0 - beta2 ** k) / (1.0 - beta1 ** k)
-            values = [x - scale * m / (tf.sqrt(v) + eps) for x, m, v in zip(values, first, second)]
-            return t + 1, values, first, second
+    key = ("ascent", tuple(names), optimizer, beta1, beta2, eps)
+    run = graphs.kept(model, key, lambda ref: tf.function(
+        lambda *args: _ascent_loop(ref(), names, optimizer, beta1, beta2, eps, *args), jit_compile=True))
+    return list(run(images, values, tf.constant(steps, tf.int32), tf.constant(learning_rate, images.dtype),
+                    tf.constant(seed, tf.int64)))
 
-        zeros = [tf.zeros_like(v) for v in values]
-        return tf.while_loop(lambda t, *_: t < steps, step, (tf.constant(0), values, zeros, list(zeros)))[1]
 
-    return [v for v in run(images, values)]
+def _ascent_loop(model, names, optimizer, beta1, beta2, eps, images, values, steps, learning_rate, seed):
+    """The body of `_ascent`, traced into one XLA while loop."""
+    def step(t, values, first, second):
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            draw = tf.stack([seed, tf.cast(t, tf.int64)])
+            bound = model.bound_terms(images, **dict(zip(names, values)), seed=draw)["bound"]
+            loss = -tf.reduce_sum(bound)
+        grads = tape.gradient(loss, values)
+        if optimizer == "sgd":
+            return t + 1, [x - learning_rate * g for x, g in zip(values, grads)], first, second
+        first = [beta1 * m + (1.0 - beta1) * g for m, g in zip(first, grads)]
+        second = [beta2 * v + (1.0 - beta2) * tf.square(g) for v, g in zip(second, grads)]
+        k = tf.cast(t + 1, images.dtype)
+        scale = learning_rate * tf.sqrt(1.0 - beta2 ** k) / (1.0 - beta1 ** k)
+        values = [x - scale * m / (tf.sqrt(v) + eps) for x, m, v in zip(values, first, second)]
+        return t + 1, values, first, second
+
+    zeros = [tf.zeros_like(v) for v in values]
+    return tf.while_loop(lambda t, *_: t < steps, step, (tf.constant(0), values, zeros, list(zeros)))[1]
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
