@@ -710,3 +710,37 @@ def test_images_of_another_size_are_refused_by_name():
         model(np.zeros((2, 12, 12), "float32"))
     with pytest.raises(ValueError, match=r"VariationalAutoencoder takes images of shape \[batch, 6, 5, 1\]"):
         vae.bound(wrong)
+
+
+def test_anchored_parts_sit_at_their_attentions_mean_cell_centre_plus_its_offsets():
+    """With `anchored_parts` the part encoder reads the bare image, and a part's translation is
+    `sum_l w_l (x_l + o_l)` over the last feature map's cells (centres written here by hand); its other
+    entries are the attention-pooled head, as in the plain encoder."""
+    from poecaps.models.capsule_autoencoder import ProbabilisticCapsuleAutoencoder
+
+    generative = ProbabilisticCapsules(image_size=(12, 12), num_top=3, num_parts=4, template_size=5, seed=1)
+    sizes = {"channels": 8, "hidden": 16, "encoding": 8, "blocks": 2, "inducing": 4, "heads": 2, "seed": 2}
+    model = ProbabilisticCapsuleAutoencoder(generative, anchored_parts=True, **sizes)
+    assert model.convs[0].kernel.shape[2] == 1                       # no coordinate channels
+    images = tf.constant(np.random.default_rng(6).uniform(size=(2, 12, 12, 1)).astype("float32"))
+    h = images
+    for conv in model.convs:
+        h = conv(h)
+    head = model.part_head(h).numpy().reshape(2, 3, 3, 4, 8)         # 12 -> 6 -> 3 cells a side
+    centres = np.array([-2 / 3, 0.0, 2 / 3])                          # 2 (k + 1/2) / 3 - 1
+    logits = head[..., 7].reshape(2, 9, 4)
+    weights = np.exp(logits - logits.max(1, keepdims=True))
+    weights /= weights.sum(1, keepdims=True)
+    x = np.broadcast_to(centres[None, :, None], (3, 3, 4)).reshape(9, 4)      # x runs along the width
+    y = np.broadcast_to(centres[:, None, None], (3, 3, 4)).reshape(9, 4)
+    pooled = np.einsum("bln,blne->bne", weights, head[..., :7].reshape(2, 9, 4, 7))
+    expected = pooled[..., 1:] + model.part_pose_offset.numpy()
+    expected[..., 2] += np.einsum("bln,ln->bn", weights, x)
+    expected[..., 5] += np.einsum("bln,ln->bn", weights, y)
+    logits_out, pose = (v.numpy() for v in model.encode_parts(images))
+    np.testing.assert_allclose(logits_out, pooled[..., 0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pose, expected, rtol=1e-5, atol=1e-6)
+    assert np.abs(np.einsum("bln,ln->bn", weights, x)).max() > 1e-2    # the anchors weigh in the test
+    assert ProbabilisticCapsuleAutoencoder.from_config(model.get_config()).anchored_parts
+    with pytest.raises(TypeError, match="anchored_parts"):
+        ProbabilisticCapsuleAutoencoder(generative, anchored_parts="yes", **sizes)

@@ -90,6 +90,20 @@ the top poses move by `R`. The frame is held constant in the gradient
 (it turns fast where the parts' spread is nearly round), so the encoders
 learn through `F^-1 P_j` and `F Q_i` with `F` fixed.
 
+Anchored parts (optional, not in the paper; off by default). With
+`anchored_parts=True` a part's position is where its attention falls: the
+part encoder reads the image without coordinate channels, and at each
+position `l` of its last feature map (cell centre `x_l` in the image's
+[-1, 1] frame) the head's translation entries are an offset from `x_l`,
+
+    (tx_j, ty_j) = sum_l w_lj (x_l + o_lj),     w_.j = softmax_l(a_lj),
+
+so that a part found elsewhere in the image is placed elsewhere, whatever
+the encoder learned. Moving the image's content by whole cells of the
+feature map (4 pixels) moves the attention with it away from the borders;
+the coordinate channels, by contrast, let the encoder place a part
+wherever it learned to on upright digits.
+
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
     channels, hidden, encoding, blocks, inducing, heads: encoder sizes
@@ -103,6 +117,8 @@ Args:
         training (False).
     equivariant_top: read the parts in their rigid frame and place the top
         capsules in it (False).
+    anchored_parts: place each part at its attention's mean position
+        (False: the encoder outputs the position, reading coordinate channels).
     seed: seed of the encoders' initial weights.
 
 Call arguments:
@@ -232,7 +248,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
                  specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0, sparsity_classes=10,
-                 detach_parts=False, equivariant_top=False, seed=0, **kwargs):
+                 detach_parts=False, equivariant_top=False, anchored_parts=False, seed=0, **kwargs):
         super().__init__(**kwargs)
         self.specialisation = _weight("specialisation", specialisation)
         self.within_sparsity = _weight("within_sparsity", within_sparsity)
@@ -240,6 +256,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         self.sparsity_classes = _weight("sparsity_classes", sparsity_classes, positive=True)
         self.detach_parts = _flag("detach_parts", detach_parts)
         self.equivariant_top = _flag("equivariant_top", equivariant_top)
+        self.anchored_parts = _flag("anchored_parts", anchored_parts)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
@@ -272,11 +289,18 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
     def encode_parts(self, images):
         """`(presence logits [B, N], poses A_j [B, N, 6])` of q(t_j, A_j | X)."""
         check_image_batch(images, self.generative.image_size, type(self).__name__)
-        h = ops.concatenate([images, _coordinates(images)], axis=-1)
+        h = images if self.anchored_parts else ops.concatenate([images, _coordinates(images)], axis=-1)
         for conv in self.convs:
             h = conv(h)
         n = self.generative.num_parts
-        h = ops.reshape(self.part_head(h), (-1, h.shape[1] * h.shape[2], n, 8))
+        head = self.part_head(h)
+        if self.anchored_parts:          # the translation entries (2 and 5 of the pose) offset from the cell centre
+            centres = _coordinates(h[..., :1])                                      # [B, h, w, 2]
+            anchor = ops.concatenate([ops.zeros_like(centres[..., :1])] * 3 + [centres[..., :1]]
+                                     + [ops.zeros_like(centres[..., :1])] * 2 + [centres[..., 1:]]
+                                     + [ops.zeros_like(centres[..., :1])], axis=-1)  # [B, h, w, 8]
+            head = head + ops.tile(anchor, (1, 1, 1, n))
+        h = ops.reshape(head, (-1, h.shape[1] * h.shape[2], n, 8))
         weights = ops.softmax(h[..., 7], axis=1)                                    # over the positions
         pooled = ops.sum(weights[..., None] * h[..., :7], axis=1)                   # [B, N, 7]
         return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset
@@ -423,5 +447,6 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                 "inducing": self.inducing, "heads": self.heads, "specialisation": self.specialisation,
                 "within_sparsity": self.within_sparsity, "between_sparsity": self.between_sparsity,
                 "sparsity_classes": self.sparsity_classes, "detach_parts": self.detach_parts,
-                "equivariant_top": self.equivariant_top, "seed": self.seed,
+                "equivariant_top": self.equivariant_top, "anchored_parts": self.anchored_parts,
+                "seed": self.seed,
                 "name": self.name}
