@@ -97,6 +97,7 @@ def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1="auto", 
     `examples` training digits first.
     """
     run, config, model = load_capsnet(run_dir)
+    run.record_environment("sparse inference")
     settings = {"steps": steps, "learning_rate": learning_rate}
     calibration, calibration_seconds = None, 0.0
     if l1 == "auto":

@@ -95,6 +95,7 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
     test on the whole test split; the decoder of the figure learns on the same `probe_train` images.
     """
     run, config, model = load_capsnet(run_dir)
+    run.record_environment("generative layer")
     keras.utils.set_random_seed(seed)
     train, train_labels, _ = load_images(config, "train")
     test, test_labels, _ = load_images(config, "test")

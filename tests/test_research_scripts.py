@@ -117,6 +117,8 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
     for name in ("templates", "reconstructions", "rotation", "samples"):
         assert os.path.getsize(os.path.join(run, f"{name}.png")) > 0
+    with open(os.path.join(run, "environment.jsonl")) as handle:    # the refused resume adds no line
+        assert [json.loads(line)["action"] for line in handle] == ["train", "train", "evaluate"]
     # the probe studies' loader: the table's training features, read here without XLA from the encoders
     _, capsules, vae, (x_train, y_train), (x_test, y_test), table_train = study.load_study(run, 0)
     assert x_train.shape == x_test.shape == (16, 28, 28, 1) and len(y_train) == len(y_test) == 16
