@@ -86,13 +86,19 @@ def _routing_now(network, test, config, count=1000):
 
 
 class _MetricsLog(keras.callbacks.Callback):
+    """Each epoch's figures to `metrics.jsonl`; Keras's `val_*` are named `test_*`, for what they are.
+
+    The fit's validation data is the test split: its curves are drawn,
+    and nothing (no epoch, no setting) is chosen by them.
+    """
+
     def __init__(self, run):
         super().__init__()
         self.run = run
 
     def on_epoch_end(self, epoch, logs=None):
-        self.run.append_metrics({"stage": "baseline", "epoch": epoch,
-                                 **{k: float(v) for k, v in (logs or {}).items()}})
+        named = {("test_" + k[4:] if k.startswith("val_") else k): float(v) for k, v in (logs or {}).items()}
+        self.run.append_metrics({"stage": "baseline", "epoch": epoch, **named})
 
 
 def train_baseline(config, run_dir, record=None, resume=False):

@@ -241,7 +241,10 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, preset):
     assert result["rotation_accuracy"]["0"] == result["test_accuracy"]    # rotating by 0 changes nothing
     assert result["routing_iterations"] == 3
     with open(os.path.join(run, "metrics.jsonl")) as handle:
-        assert [json.loads(line)["epoch"] for line in handle] == [0, 1]
+        lines = [json.loads(line) for line in handle]
+    assert [line["epoch"] for line in lines] == [0, 1]
+    # the fit's validation data is the test split, and its figures say so
+    assert all("test_accuracy" in line and not any(k.startswith("val_") for k in line) for line in lines)
     with open(os.path.join(run, "config.json")) as handle:
         record = json.load(handle)
     assert record["preset"] == preset and record["overrides"]["epochs"] == 2
