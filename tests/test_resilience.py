@@ -287,8 +287,8 @@ def test_scaled_schedule_round_trips_and_scales():
     np.testing.assert_allclose(float(again(10)), 0.025, rtol=1e-6)
 
 
-@pytest.mark.parametrize("terminal", [False, True])
-def test_progress_is_a_bar_at_a_terminal_and_a_line_per_epoch_in_a_log(monkeypatch, capsys, terminal):
+@pytest.mark.parametrize("where", ["log", "terminal", "notebook"])
+def test_progress_is_a_bar_at_a_terminal_or_notebook_and_a_line_per_epoch_in_a_log(monkeypatch, capsys, where):
     """`verbose="auto"`: Keras redraws its bar every step, which a log file would keep frame by frame."""
     x = np.asarray(squash(np.random.default_rng(2).normal(size=(32, 6, 3)))).astype("float32")
     keras.utils.set_random_seed(0)
@@ -296,11 +296,16 @@ def test_progress_is_a_bar_at_a_terminal_and_a_line_per_epoch_in_a_log(monkeypat
     layer.build((None, 6, 3))
     trainer = CDTrainer(layer)
     trainer.compile(optimizer=default_optimizer(0.05, 4))
-    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal, raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: where == "terminal", raising=False)
+    monkeypatch.delenv("PYCHARM_HOSTED", raising=False)
+    if where == "notebook":
+        monkeypatch.setitem(sys.modules, "ipykernel", type(sys)("ipykernel"))
+    else:
+        monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
     fit_resumable(trainer, x, epochs=2, batch_size=8, seed=0)
     out = capsys.readouterr().out
     assert out.count("Epoch 2/2") == 1
-    if terminal:
+    if where != "log":
         assert out.count("\r") >= 4 or out.count("\b") >= 4, out       # redrawn at least once a step
     else:
         assert "\r" not in out and "\b" not in out and out.count("4/4 - ") == 2, out   # one line per epoch

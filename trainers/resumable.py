@@ -11,6 +11,7 @@ killed at any moment and resumed ends with the weights an uninterrupted run
 reaches (up to float tolerance).
 """
 
+import os
 import sys
 
 import keras
@@ -129,9 +130,9 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         fault_log: JSON-lines file for NaN events.
         callbacks: further Keras callbacks (run after the guard, before the checkpoint).
         validation_data: passed to `fit`.
-        verbose: passed to `fit`; "auto" is a progress bar at a terminal and
-            one line per epoch elsewhere (Keras draws its bar into a log file
-            frame by frame, a line of text each step).
+        verbose: passed to `fit`; "auto" is a progress bar at a terminal or
+            in a notebook and one line per epoch elsewhere (Keras draws its
+            bar into a log file frame by frame, a line of text each step).
 
     Returns:
         The merged history dict (`{metric: [per-epoch values]}`) of this call.
@@ -139,7 +140,8 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     if on_nan not in NAN_POLICIES:
         raise InputError(f"on_nan must be one of {NAN_POLICIES}. Received: on_nan={on_nan!r}")
     if verbose == "auto":
-        verbose = 1 if getattr(sys.stdout, "isatty", lambda: False)() else 2
+        live = getattr(sys.stdout, "isatty", lambda: False)() or "ipykernel" in sys.modules
+        verbose = 1 if live or "PYCHARM_HOSTED" in os.environ else 2
     if save_every < 0:
         raise InputError(f"save_every must be >= 0. Received: save_every={save_every}")
     arrays = (x,) if y is None else (x, y)
