@@ -738,6 +738,8 @@ def test_anchored_parts_sit_at_their_attentions_mean_cell_centre_plus_its_offset
     expected[..., 2] += np.einsum("bln,ln->bn", weights, x)
     expected[..., 5] += np.einsum("bln,ln->bn", weights, y)
     logits_out, pose = (v.numpy() for v in model.encode_parts(images))
+    attention = model.part_attention(images).numpy()                          # [B, h, w, N], rows of cells
+    np.testing.assert_allclose(attention.reshape(2, 9, 4), weights, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(logits_out, pooled[..., 0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(pose, expected, rtol=1e-5, atol=1e-6)
     assert np.abs(np.einsum("bln,ln->bn", weights, x)).max() > 1e-2    # the anchors weigh in the test

@@ -29,7 +29,9 @@ writes to OUT.json:
 - how far the parts' rigid frame (`poecaps.frames`) turns when a test
   digit is rotated: the median over digits of the frame's turn, wrapped to
   (-180, 180], and of its distance from the digit's turn (0 for parts
-  whose positions turn with the digit).
+  whose positions turn with the digit);
+- where the parts attend (`_attention`): how many cells a part's attention
+  spreads over, and whether its mean cell turns with the digit.
 - with `--refine-parts STEPS`, the same probes and frame turns read after
   refining the parts alone (`refine(..., parts_only=True)`: STEPS Adam
   steps, learning rate 0.01, the top read by the top encoder from the
@@ -95,6 +97,48 @@ def _read(train, y, tests, y_test):
     return {"probes": probes, "frame_turn": frame_turn}
 
 
+def _attention(model, tests):
+    """Where the parts attend: `tests` {condition: test images}, upright under "0".
+
+    - `effective_cells`: the median over digits and parts of `exp(H)`, `H`
+      the entropy of a part's attention over the cells of the last feature
+      map (1: one cell; `cells`: spread evenly over all of them).
+    - for each turned condition, over digits and parts, the median distance
+      (in the canvas's [-1, 1] frame) of the attention's mean cell centre on
+      the turned digit from the upright digit's one turned with the digit
+      (`follows`, 0 if the attention turns with it), from the upright one
+      where it was (`stays`), and how far turning moves the upright one
+      (`turn_moves`).
+    """
+    def centres_and_entropy(images):
+        found = []
+        for s in range(0, len(images), 250):
+            a = model.part_attention(tf.constant(images[s:s + 250])).numpy()       # [B, h, w, N]
+            found.append(a)
+        a = np.concatenate(found)
+        height, width = a.shape[1:3]
+        ys, xs = np.meshgrid(compositing.pixel_centres(height, "float32").numpy(),
+                             compositing.pixel_centres(width, "float32").numpy(), indexing="ij")
+        mean = np.stack([np.einsum("bhwn,hw->bn", a, xs), np.einsum("bhwn,hw->bn", a, ys)], -1)  # [B, N, 2]
+        entropy = -np.sum(a * np.log(np.maximum(a, 1e-30)), axis=(1, 2))                       # [B, N]
+        return mean, entropy, height * width
+
+    upright, entropy, cells = centres_and_entropy(tests["0"])
+    result = {"cells": int(cells), "effective_cells": float(np.median(np.exp(entropy)))}
+    for condition, images in tests.items():
+        if condition in ("0", "affine"):
+            continue
+        angle = np.radians(float(condition))
+        # `transforms.rotate` by +a takes (x, y) to (x cos a - y sin a, x sin a + y cos a) (the note in `_read`)
+        turn = np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+        turned, _, _ = centres_and_entropy(images)
+        expected = upright @ turn.T
+        distance = lambda a, b: float(np.median(np.linalg.norm(a - b, axis=-1)))
+        result[condition] = {"follows": distance(turned, expected), "stays": distance(turned, upright),
+                             "turn_moves": distance(expected, upright)}
+    return result
+
+
 def _wrapped(degrees):
     return (np.asarray(degrees) + 180.0) % 360.0 - 180.0
 
@@ -157,13 +201,15 @@ def main():
     for condition, found in probes.items():
         print(f"probe {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()), flush=True)
     print(f"frame turn: {frame_turn}", flush=True)
+    attention = _attention(model, tests)
+    print(f"attention: {attention}", flush=True)
     r = lambda a: np.round(np.asarray(a, "float64"), 4).tolist()
     result = {"settings": vars(args), "train_images": len(x), "test_images": len(x_test), "seconds": seconds,
               "curve": curve, "top_presence_mean": r(t0.mean(0)), "top_presence_std_over_images": r(t0.std(0)),
               "top_presence_between_class_share": r(between / np.maximum(t0.var(0), 1e-12)),
               "pose_spread_mean": float(model.generative.spreads().numpy().mean()),
               "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes,
-              "frame_turn": frame_turn}
+              "frame_turn": frame_turn, "part_attention": attention}
     if args.refine_parts:
         every, start = args.refine_every, time.perf_counter()
         train, y_sub, y_test_sub = x[::every], y[::every], y_test[::every]

@@ -286,8 +286,13 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
     def build(self, input_shape):
         self.call(ops.zeros((1, *self.generative.image_size, 1)))
 
-    def encode_parts(self, images):
-        """`(presence logits [B, N], poses A_j [B, N, 6])` of q(t_j, A_j | X)."""
+    def _part_cells(self, images):
+        """`(cells [B, h w, N, 8], (h, w))`: each part's 8 numbers at every cell of the last feature map.
+
+        Per part: the presence logit, 6 pose entries (with `anchored_parts`,
+        the translation entries offset from the cell centre) and the
+        attention logit.
+        """
         check_image_batch(images, self.generative.image_size, type(self).__name__)
         h = images if self.anchored_parts else ops.concatenate([images, _coordinates(images)], axis=-1)
         for conv in self.convs:
@@ -300,9 +305,18 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                                      + [ops.zeros_like(centres[..., :1])] * 2 + [centres[..., 1:]]
                                      + [ops.zeros_like(centres[..., :1])], axis=-1)  # [B, h, w, 8]
             head = head + ops.tile(anchor, (1, 1, 1, n))
-        h = ops.reshape(head, (-1, h.shape[1] * h.shape[2], n, 8))
-        weights = ops.softmax(h[..., 7], axis=1)                                    # over the positions
-        pooled = ops.sum(weights[..., None] * h[..., :7], axis=1)                   # [B, N, 7]
+        return ops.reshape(head, (-1, h.shape[1] * h.shape[2], n, 8)), (h.shape[1], h.shape[2])
+
+    def part_attention(self, images):
+        """`[B, h, w, N]`: each part's attention over the cells of the last feature map (sums to 1 per part)."""
+        cells, (height, width) = self._part_cells(images)
+        return ops.reshape(ops.softmax(cells[..., 7], axis=1), (-1, height, width, self.generative.num_parts))
+
+    def encode_parts(self, images):
+        """`(presence logits [B, N], poses A_j [B, N, 6])` of q(t_j, A_j | X)."""
+        cells, _ = self._part_cells(images)
+        weights = ops.softmax(cells[..., 7], axis=1)                                # over the positions
+        pooled = ops.sum(weights[..., None] * cells[..., :7], axis=1)               # [B, N, 7]
         return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset
 
     def encode_top(self, part_presence, part_pose, training=False):
