@@ -40,16 +40,22 @@ def _cpu():
     return model, sorted(flags.intersection(_CPU_FLAGS))
 
 
-def _git_commit(directory):
-    """The commit of the checkout holding `directory` (with `-dirty` if it has changes), or None."""
+def _git_commit(package):
+    """The commit of the poecaps checkout `package` lies in (`-dirty` if it has changes), or None.
+
+    None too when `package` was installed into a folder that some other
+    repository holds (a virtual environment inside a project's checkout).
+    """
+    git = lambda *args: subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=10,
+                                       check=True).stdout.strip()
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
-                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        top = git("rev-parse", "--show-toplevel")
+        if os.path.realpath(os.path.join(top, "poecaps")) != os.path.realpath(package):
+            return None
+        changed = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if changed else "")
     except (OSError, subprocess.SubprocessError):
         return None
-    return commit + ("-dirty" if changed else "")
 
 
 def describe(action):

@@ -167,3 +167,26 @@ def test_the_version_is_the_one_pyproject_declares():
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
         assert poecaps.__version__ == tomllib.load(handle)["project"]["version"]
+
+
+def test_a_run_names_the_poecaps_checkout_it_ran_from_and_no_other_repository(tmp_path):
+    """`environment._git_commit`: a checkout's HEAD (`-dirty` with changes); None for a package folder that
+    another repository holds, as a virtual environment inside a project's checkout would."""
+    from poecaps.experiments.environment import _git_commit
+
+    git = lambda *args: subprocess.run(["git", "-C", str(tmp_path / "checkout"), *args], check=True,
+                                       capture_output=True, text=True).stdout.strip()
+    package = tmp_path / "checkout" / "poecaps"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("log", "-1", "--format=%H")
+    assert len(head) == 40 and _git_commit(str(package)) == head
+    (package / "__init__.py").write_text("x = 1\n")
+    assert _git_commit(str(package)) == head + "-dirty"
+    installed = tmp_path / "checkout" / "venv" / "site-packages" / "poecaps"
+    installed.mkdir(parents=True)
+    assert _git_commit(str(installed)) is None
+    assert _git_commit(str(tmp_path)) is None                      # no repository at all
