@@ -746,3 +746,34 @@ def test_anchored_parts_sit_at_their_attentions_mean_cell_centre_plus_its_offset
     assert ProbabilisticCapsuleAutoencoder.from_config(model.get_config()).anchored_parts
     with pytest.raises(TypeError, match="anchored_parts"):
         ProbabilisticCapsuleAutoencoder(generative, anchored_parts="yes", **sizes)
+
+
+def test_localisation_takes_the_attention_entropies_from_the_training_objective_only():
+    """`localisation = u`: `bound`'s objective is the plain model's less `u sum_j H_j`, `H_j` the entropy of
+    part j's attention (NumPy, from `part_attention`); the bound is unchanged; the penalty's gradient reaches
+    the attention head."""
+    from poecaps.models.capsule_autoencoder import ProbabilisticCapsuleAutoencoder
+
+    generative = ProbabilisticCapsules(image_size=(12, 12), num_top=3, num_parts=4, template_size=5, seed=1)
+    sizes = {"channels": 8, "hidden": 16, "encoding": 8, "blocks": 2, "inducing": 4, "heads": 2, "seed": 2}
+    plain = ProbabilisticCapsuleAutoencoder(generative, anchored_parts=True, **sizes)
+    local = ProbabilisticCapsuleAutoencoder(ProbabilisticCapsules.from_config(generative.get_config()),
+                                            anchored_parts=True, localisation=0.5, **sizes)
+    local.set_weights(plain.get_weights())
+    images = tf.constant(np.random.default_rng(7).uniform(size=(3, 12, 12, 1)).astype("float32"))
+    seed = tf.constant([4, 1], tf.int64)
+    a, b = plain.bound(images, seed=seed), local.bound(images, seed=seed)
+    attention = plain.part_attention(images).numpy().reshape(3, -1, 4)
+    entropy = -np.sum(attention * np.log(attention), axis=1).sum(-1)              # [B], nats
+    assert np.all(entropy > 1.0)                                                   # the penalty is not small
+    np.testing.assert_allclose(b["bound"].numpy(), a["bound"].numpy(), rtol=1e-6)
+    # float32 objectives of ~1e2-1e3 nats: a few ulps of them
+    np.testing.assert_allclose(b["objective"].numpy(), a["objective"].numpy() - 0.5 * entropy, rtol=0,
+                               atol=1e-4 * np.abs(a["objective"].numpy()).max())
+    with tf.GradientTape() as tape:
+        penalty = tf.reduce_sum(local.bound(images, seed=seed)["objective"] - local.bound(images, seed=seed)["bound"])
+    grad = tape.gradient(penalty, local.part_head.kernel)
+    assert grad is not None and np.abs(grad.numpy()).max() > 1e-4
+    assert ProbabilisticCapsuleAutoencoder.from_config(local.get_config()).localisation == 0.5
+    with pytest.raises(ValueError, match="localisation"):
+        ProbabilisticCapsuleAutoencoder(generative, localisation=-1.0, **sizes)

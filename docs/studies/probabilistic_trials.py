@@ -3,6 +3,7 @@
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
            [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
            [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--equivariant-top] [--anchored-parts]
+           [--localisation U]
            [--refine-parts STEPS [--refine-every 4]] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
@@ -15,7 +16,9 @@ Kosiorek et al.'s prior sparsity losses weighted by A / B, 10 classes;
 with `--detach-parts`, the parts held constant in the top layer's terms;
 with `--equivariant-top`, the top encoder reading the parts in their rigid
 frame; with `--anchored-parts`, each part placed at its attention's mean
-position; `ProbabilisticCapsuleAutoencoder`'s docstring), then
+position; with `--localisation`, the parts' attention entropies weighted
+by U taken from the training objective;
+`ProbabilisticCapsuleAutoencoder`'s docstring), then
 writes to OUT.json:
 
 - the trainer's running bound and terms after each epoch;
@@ -157,6 +160,7 @@ def main():
     p.add_argument("--detach-parts", action="store_true", help="hold the parts constant in the top layer's terms")
     p.add_argument("--equivariant-top", action="store_true", help="the top encoder reads the parts in their frame")
     p.add_argument("--anchored-parts", action="store_true", help="each part sits at its attention's mean position")
+    p.add_argument("--localisation", type=float, default=0.0, help="weight of the attention entropies (nats/part)")
     p.add_argument("--refine-parts", type=int, default=0, metavar="STEPS",
                    help="also read the probes after STEPS Adam steps on the parts alone (default: 0, off)")
     p.add_argument("--refine-every", type=int, default=4, help="refine every this many-th digit (default: 4)")
@@ -174,7 +178,8 @@ def main():
         ProbabilisticCapsules(image_size=(40, 40), c_min=args.c_min, temperature=args.temperature, seed=args.seed),
         specialisation=args.specialisation, within_sparsity=args.within_sparsity,
         between_sparsity=args.between_sparsity, detach_parts=args.detach_parts,
-        equivariant_top=args.equivariant_top, anchored_parts=args.anchored_parts, seed=args.seed)
+        equivariant_top=args.equivariant_top, anchored_parts=args.anchored_parts,
+        localisation=args.localisation, seed=args.seed)
     if args.top_prior is not None:
         model(tf.constant(x[:2]))                                        # builds the weights
         logits = model.generative.top_logits

@@ -104,6 +104,14 @@ feature map (4 pixels) moves the attention with it away from the borders;
 the coordinate channels, by contrast, let the encoder place a part
 wherever it learned to on upright digits.
 
+Localised attention (optional, not in the paper; weight 0 by default).
+Trained by the bound alone, a part's attention spreads over nearly every
+cell (docs/probabilistic_anchored_parts.md). With `localisation = u > 0`
+training ascends the objective minus `u sum_j H_j`, `H_j = -sum_l w_lj
+log w_lj` the entropy (nats) of part j's attention over the cells, which
+pulls each part's attention onto few cells. Like the other extra terms it
+is not part of the bound, which `refine` and every figure use.
+
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict).
     channels, hidden, encoding, blocks, inducing, heads: encoder sizes
@@ -119,6 +127,8 @@ Args:
         capsules in it (False).
     anchored_parts: place each part at its attention's mean position
         (False: the encoder outputs the position, reading coordinate channels).
+    localisation: the weight `u >= 0` of the attention entropies in the
+        training objective, in nats per part (0: none).
     seed: seed of the encoders' initial weights.
 
 Call arguments:
@@ -248,7 +258,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
                  specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0, sparsity_classes=10,
-                 detach_parts=False, equivariant_top=False, anchored_parts=False, seed=0, **kwargs):
+                 detach_parts=False, equivariant_top=False, anchored_parts=False, localisation=0.0, seed=0,
+                 **kwargs):
         super().__init__(**kwargs)
         self.specialisation = _weight("specialisation", specialisation)
         self.within_sparsity = _weight("within_sparsity", within_sparsity)
@@ -257,6 +268,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         self.detach_parts = _flag("detach_parts", detach_parts)
         self.equivariant_top = _flag("equivariant_top", equivariant_top)
         self.anchored_parts = _flag("anchored_parts", anchored_parts)
+        self.localisation = _weight("localisation", localisation)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
@@ -314,10 +326,15 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
     def encode_parts(self, images):
         """`(presence logits [B, N], poses A_j [B, N, 6])` of q(t_j, A_j | X)."""
+        return self._encode_parts(images)[:2]
+
+    def _encode_parts(self, images):
+        """`encode_parts` and the entropies `H_j [B, N]` (nats) of the parts' attention over the cells."""
         cells, _ = self._part_cells(images)
         weights = ops.softmax(cells[..., 7], axis=1)                                # over the positions
         pooled = ops.sum(weights[..., None] * cells[..., :7], axis=1)               # [B, N, 7]
-        return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset
+        entropy = -ops.sum(weights * tf.nn.log_softmax(cells[..., 7], axis=1), axis=1)
+        return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset, entropy
 
     def encode_top(self, part_presence, part_pose, training=False):
         """`(presence logits [B, K], poses A_i [B, K, 6])` of q(t_i, A_i | t_j, A_j)."""
@@ -389,9 +406,12 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         return terms
 
     def bound(self, images, seed=None, training=False):
-        """`bound_terms` at the encoders' output."""
-        part_logits, part_pose = self.encode_parts(images)
-        return self.bound_terms(images, part_logits, part_pose, seed=seed, training=training)
+        """`bound_terms` at the encoders' output; with `localisation`, its objective less `u sum_j H_j`."""
+        part_logits, part_pose, entropy = self._encode_parts(images)
+        terms = self.bound_terms(images, part_logits, part_pose, seed=seed, training=training)
+        if self.localisation:
+            terms["objective"] = terms["objective"] - self.localisation * ops.sum(entropy, axis=-1)
+        return terms
 
     def variational_parameters(self, images):
         """The encoders' variational parameters, the starting point of `refine`.
@@ -462,5 +482,6 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                 "within_sparsity": self.within_sparsity, "between_sparsity": self.between_sparsity,
                 "sparsity_classes": self.sparsity_classes, "detach_parts": self.detach_parts,
                 "equivariant_top": self.equivariant_top, "anchored_parts": self.anchored_parts,
+                "localisation": self.localisation,
                 "seed": self.seed,
                 "name": self.name}
