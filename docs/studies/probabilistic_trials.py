@@ -114,11 +114,8 @@ def _attention(model, tests):
       (`turn_moves`).
     """
     def centres_and_entropy(images):
-        found = []
-        for s in range(0, len(images), 250):
-            a = model.part_attention(tf.constant(images[s:s + 250])).numpy()       # [B, h, w, N]
-            found.append(a)
-        a = np.concatenate(found)
+        a = np.concatenate([model.part_attention(tf.constant(images[s:s + 250])).numpy()       # [B, h, w, N]
+                            for s in range(0, len(images), 250)])
         height, width = a.shape[1:3]
         ys, xs = np.meshgrid(compositing.pixel_centres(height, "float32").numpy(),
                              compositing.pixel_centres(width, "float32").numpy(), indexing="ij")

@@ -312,10 +312,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         n = self.generative.num_parts
         head = self.part_head(h)
         if self.anchored_parts:          # the translation entries (2 and 5 of the pose) offset from the cell centre
-            centres = _coordinates(h[..., :1])                                      # [B, h, w, 2]
-            anchor = ops.concatenate([ops.zeros_like(centres[..., :1])] * 3 + [centres[..., :1]]
-                                     + [ops.zeros_like(centres[..., :1])] * 2 + [centres[..., 1:]]
-                                     + [ops.zeros_like(centres[..., :1])], axis=-1)  # [B, h, w, 8]
+            place = tf.constant([[0.0] * 3 + [1.0] + [0.0] * 4, [0.0] * 6 + [1.0, 0.0]], head.dtype)  # x -> 3, y -> 6
+            anchor = ops.matmul(_coordinates(h[..., :1]), place)                   # [B, h, w, 8]
             head = head + ops.tile(anchor, (1, 1, 1, n))
         return ops.reshape(head, (-1, h.shape[1] * h.shape[2], n, 8)), (h.shape[1], h.shape[2])
 
@@ -329,11 +327,14 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         return self._encode_parts(images)[:2]
 
     def _encode_parts(self, images):
-        """`encode_parts` and the entropies `H_j [B, N]` (nats) of the parts' attention over the cells."""
+        """`encode_parts` and, with `localisation`, the entropies `H_j [B, N]` (nats) of the parts' attention
+        over the cells (else None)."""
         cells, _ = self._part_cells(images)
         weights = ops.softmax(cells[..., 7], axis=1)                                # over the positions
         pooled = ops.sum(weights[..., None] * cells[..., :7], axis=1)               # [B, N, 7]
-        entropy = -ops.sum(weights * tf.nn.log_softmax(cells[..., 7], axis=1), axis=1)
+        entropy = None
+        if self.localisation:
+            entropy = -ops.sum(weights * tf.nn.log_softmax(cells[..., 7], axis=1), axis=1)
         return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset, entropy
 
     def encode_top(self, part_presence, part_pose, training=False):
