@@ -53,6 +53,38 @@ def linear_probe(train_features, train_labels, test_features, test_labels, max_i
     return float(np.mean(predicted == test_labels))
 
 
+PROBE_PENALTIES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
+
+
+def probe_penalty(features, labels, penalties=PROBE_PENALTIES, folds=5, seed=0, max_iterations=500):
+    """`linear_probe`'s L2 penalty chosen by cross-validation on the training features alone.
+
+    The rows are permuted by `seed` and cut into `folds` contiguous parts;
+    each penalty's score is its probe's mean accuracy on each part when
+    fitted on the others. The best score wins, the largest penalty on a tie.
+
+    Returns:
+        dict with the chosen `penalty` and each penalty's mean fold
+        `accuracy` (a list in the order of `penalties`).
+    """
+    features, labels = np.asarray(features), np.asarray(labels)
+    if not 2 <= folds <= len(features):
+        raise ValueError(f"folds must be in [2, {len(features)}] (the number of rows). Received: folds={folds}")
+    if len(penalties) == 0 or min(penalties) < 0:
+        raise ValueError(f"penalties must be non-empty and non-negative. Received: {penalties}")
+    parts = np.array_split(np.random.default_rng(seed).permutation(len(features)), folds)
+    accuracy = []
+    for l2 in penalties:
+        scores = []
+        for k, held in enumerate(parts):
+            kept = np.concatenate([p for j, p in enumerate(parts) if j != k])
+            scores.append(linear_probe(features[kept], labels[kept], features[held], labels[held],
+                                       max_iterations=max_iterations, l2=l2))
+        accuracy.append(float(np.mean(scores)))
+    best = max(accuracy)
+    return {"penalty": float(max(l2 for l2, a in zip(penalties, accuracy) if a == best)), "accuracy": accuracy}
+
+
 def reference_classifier(input_shape, classes, seed=0):
     """A small CNN that labels sampled images (trained on real ones)."""
     keras.utils.set_random_seed(seed)

@@ -275,6 +275,32 @@ def test_linear_probe_separates_separable_features(rng):
     assert metrics.linear_probe(noise[:200], labels[:200], noise[200:], labels[200:]) < 0.6
 
 
+def test_probe_penalty_is_the_best_mean_fold_accuracy_largest_on_ties(rng):
+    labels = rng.integers(0, 3, size=90)
+    features = np.eye(12)[labels] * 0.6 + rng.normal(size=(90, 12))    # a weak signal in 3 of 12 features
+    penalties = (1e-4, 1e-1, 10.0)
+    found = metrics.probe_penalty(features, labels, penalties, folds=3, seed=4, max_iterations=50)
+    # Reference: the folds and scores written out.
+    order = np.random.default_rng(4).permutation(90)
+    held = [order[:30], order[30:60], order[60:]]
+    expected = []
+    for l2 in penalties:
+        scores = [metrics.linear_probe(features[np.setdiff1d(order, h)], labels[np.setdiff1d(order, h)],
+                                       features[h], labels[h], max_iterations=50, l2=l2) for h in held]
+        expected.append(np.mean(scores))
+    np.testing.assert_allclose(found["accuracy"], expected, rtol=0, atol=1e-12)
+    assert found["penalty"] == max(l2 for l2, a in zip(penalties, expected) if a == max(expected))
+    assert len(set(expected)) > 1                                       # the choice was not a tie
+    # Separable classes: every penalty scores 1, so the largest wins.
+    clean = np.eye(3)[labels] * 3 + rng.normal(size=(90, 3)) * 0.1
+    tie = metrics.probe_penalty(clean, labels, (1e-4, 1e-1, 1e-2), folds=3)
+    assert tie["accuracy"] == [1.0, 1.0, 1.0] and tie["penalty"] == 1e-1
+    with pytest.raises(ValueError, match="folds"):
+        metrics.probe_penalty(clean, labels, folds=1)
+    with pytest.raises(ValueError, match="penalties"):
+        metrics.probe_penalty(clean, labels, penalties=(-1.0,))
+
+
 def test_kmeans_recovers_separated_blobs_and_matches_a_plain_lloyd_step(rng):
     centres = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     truth = rng.integers(0, 3, size=300)

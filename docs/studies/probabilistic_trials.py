@@ -28,7 +28,10 @@ writes to OUT.json:
   the class means (1 would be a presence set by the class alone);
 - linear probes on `t0` and on `(t0, A0)`, trained on the unrotated training
   digits, tested on the test digits rotated by 0, 45, 90 and 180 degrees
-  and under the probe table's affine stand-in (drawn at `--seed`);
+  and under the probe table's affine stand-in (drawn at `--seed`): with
+  `linear_probe`'s fixed penalty (`probes`) and with the penalty chosen by
+  `metrics.probe_penalty` on the training digits (`probes_chosen_penalty`,
+  `chosen_penalty`);
 - how far the parts' rigid frame (`poecaps.frames`) turns when a test
   digit is rotated: the median over digits of the frame's turn, wrapped to
   (-180, 180], and of its distance from the digit's turn (0 for parts
@@ -86,7 +89,9 @@ def _refined_features(model, images, steps, seed):
 def _read(train, y, tests, y_test):
     """Probes and frame turns of one reading: `train` `(t0, A0, angle)`; `tests` {condition: the same}."""
     t0, a0, _ = train
-    probes, frame_turn = {}, {}
+    features = {"t0": lambda t, a: t, "t0_A0": lambda t, a: np.hstack([t, a])}
+    chosen = {name: metrics.probe_penalty(read(t0, a0), y) for name, read in features.items()}
+    probes, probes_chosen, frame_turn = {}, {}, {}
     for condition, (t0_test, a0_test, angle) in tests.items():
         if condition not in ("0", "affine"):
             turn = _wrapped(angle - tests["0"][2])
@@ -94,10 +99,13 @@ def _read(train, y, tests, y_test):
             # (y down the rows): a turn by +a of the frame's angle atan2(F_yx, F_xx)
             frame_turn[condition] = {"median_turn": float(np.median(turn)),
                                      "median_error": float(np.median(np.abs(_wrapped(turn - float(condition)))))}
-        probes[condition] = {
-            "t0": metrics.linear_probe(t0, y, t0_test, y_test),
-            "t0_A0": metrics.linear_probe(np.hstack([t0, a0]), y, np.hstack([t0_test, a0_test]), y_test)}
-    return {"probes": probes, "frame_turn": frame_turn}
+        probes[condition] = {name: metrics.linear_probe(read(t0, a0), y, read(t0_test, a0_test), y_test)
+                             for name, read in features.items()}
+        probes_chosen[condition] = {
+            name: metrics.linear_probe(read(t0, a0), y, read(t0_test, a0_test), y_test, l2=chosen[name]["penalty"])
+            for name, read in features.items()}
+    return {"probes": probes, "probes_chosen_penalty": probes_chosen, "chosen_penalty": chosen,
+            "frame_turn": frame_turn}
 
 
 def _attention(model, tests):
@@ -201,7 +209,9 @@ def main():
                  y_test)
     probes, frame_turn = read["probes"], read["frame_turn"]
     for condition, found in probes.items():
-        print(f"probe {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()), flush=True)
+        print(f"probe {condition}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()) + "; chosen penalty: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in read["probes_chosen_penalty"][condition].items()), flush=True)
+    print(f"chosen penalties: {read['chosen_penalty']}", flush=True)
     print(f"frame turn: {frame_turn}", flush=True)
     attention = _attention(model, tests)
     print(f"attention: {attention}", flush=True)
@@ -211,6 +221,7 @@ def main():
               "top_presence_between_class_share": r(between / np.maximum(t0.var(0), 1e-12)),
               "pose_spread_mean": float(model.generative.spreads().numpy().mean()),
               "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes,
+              "probes_chosen_penalty": read["probes_chosen_penalty"], "chosen_penalty": read["chosen_penalty"],
               "frame_turn": frame_turn, "part_attention": attention}
     if args.refine_parts:
         every, start = args.refine_every, time.perf_counter()
