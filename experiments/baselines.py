@@ -101,6 +101,14 @@ class _MetricsLog(keras.callbacks.Callback):
         self.run.append_metrics({"stage": "baseline", "epoch": epoch, **named})
 
 
+class _TestSplitTensorBoard(keras.callbacks.TensorBoard):
+    """Keras's TensorBoard logs, the fit's validation curves filed under `logs/test/`, since they are the test split's."""
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._val_dir = os.path.join(self.log_dir, "test")
+
+
 def train_baseline(config, run_dir, record=None, resume=False):
     """Train into `run_dir` (resuming from the last checkpoint); returns the trained network.
 
@@ -140,7 +148,7 @@ def train_baseline(config, run_dir, record=None, resume=False):
         previous = run.read_json("state.json", {}) if resume else {}
         initial = previous.get("initial_routing") or _routing_now(network, test, config)
         timer = StepTimer()
-        callbacks = [keras.callbacks.TensorBoard(run.logs, write_graph=False), _MetricsLog(run), timer]
+        callbacks = [_TestSplitTensorBoard(run.logs, write_graph=False), _MetricsLog(run), timer]
         start = time.perf_counter()
         history = fit_resumable(
             trainer, train, train_labels, epochs=config.epochs, batch_size=config.batch_size,

@@ -245,6 +245,7 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, preset):
     assert [line["epoch"] for line in lines] == [0, 1]
     # the fit's validation data is the test split, and its figures say so
     assert all("test_accuracy" in line and not any(k.startswith("val_") for k in line) for line in lines)
+    assert sorted(os.listdir(os.path.join(run, "logs"))) == ["test", "train"]      # TensorBoard's runs too
     with open(os.path.join(run, "config.json")) as handle:
         record = json.load(handle)
     assert record["preset"] == preset and record["overrides"]["epochs"] == 2
