@@ -1,4 +1,4 @@
-"""The research scripts (routing table, sparse inference, generative and probabilistic capsules, the toy): flags and bad runs."""
+"""The research scripts (routing table, sparse inference, generative and probabilistic capsules, the toy): flags, bad runs and runs."""
 
 import gzip
 import json
@@ -191,3 +191,48 @@ def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, mo
     calls.clear()                                        # other settings: trained again from the start
     table.compare_routing(root, {**settings, "seed": 1}, ["faria2019-uniform"], evaluation)
     assert calls == [("train", False), ("evaluate",)] and state()["epochs_this_call"] == 2
+
+
+@pytest.mark.slow
+def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_path):
+    # Both studies end to end on a CapsNet trained without routing, as their scripts' runs are, at toy sizes.
+    from poecaps.experiments import capsnet_inference, generative_capsules
+    from poecaps.experiments.baselines import train_baseline
+    from poecaps.experiments.configs import BaselineConfig
+    from poecaps.experiments.runs import load_images
+    from poecaps.experiments.trained import load_capsnet
+    from poecaps.models.saving import load_component
+
+    digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "capsnet")
+    config = BaselineConfig(dataset="mnist", data_dir=digits, routing_iterations=0, epochs=1, batch_size=8, seed=0)
+    train_baseline(config, run)
+    _, _, capsnet = load_capsnet(run)
+    test, test_labels, _ = load_images(config, "test")
+
+    inference = capsnet_inference.infer_run(run, examples=8, steps=5, batch_size=8, shown=2)
+    assert inference["examples"] == 8 and inference["calibration"]["split"] == "train"
+    assert inference["l1"] in capsnet_inference.L1_GRID
+    # the feed-forward reading is the network's own
+    images, labels = capsnet_inference.even_spread(test, test_labels, 8)
+    scores = np.asarray(capsnet(images)["scores"])
+    assert inference["feed_forward_accuracy"] == float(np.mean(np.argmax(scores, -1) == labels))
+    start = capsnet_inference.batched_infer(capsnet, images, None, 8, steps=1, learning_rate=0.01)
+    np.testing.assert_allclose(start["initial_lengths"], scores, atol=1e-5)     # lengths <= 1 in float32
+    for name in ("free", "free_l1", "clamped", "clamped_l1"):
+        assert 0.0 <= inference[name]["accuracy"] <= 1.0 and np.isfinite(inference[name]["energy_end"])
+    for name in ("inference.json", "lengths.png", "energy.png"):
+        assert os.path.getsize(os.path.join(run, "inference", name)) > 0
+
+    found = generative_capsules.train_generative(run, parents=4, parent_dim=4, epochs=2, batch_size=8,
+                                                 iterations=3, heldout=8, probe_train=16)
+    assert [e["epoch"] for e in found["curve"]] == [0, 1, 2]
+    assert set(found["probe_accuracy"]) == {"learned", "random_g"} and os.path.getsize(found["figure"]) > 0
+    # the saved layer, reloaded, infers the recorded coefficient entropy (NumPy's) from the test digits' children
+    layer = load_component(os.path.join(run, "models", "generative.keras")).layers[-1]
+    children = generative_capsules.primary_capsules(capsnet, test)
+    coefficients = np.asarray(layer.infer(children, iterations=3).coefficients, "float64")
+    entropy = -np.sum(coefficients * np.log(coefficients + 1e-30), -1) / np.log(4)
+    # float32 EM under XLA in the run, eager here: coefficients to ~1e-6, entropies averaged over all children
+    np.testing.assert_allclose(np.mean(entropy), found["coefficient_entropy_over_log_j"], atol=1e-4)
+    with open(os.path.join(run, "environment.jsonl")) as handle:
+        assert [json.loads(line)["action"] for line in handle] == ["train", "sparse inference", "generative layer"]
