@@ -3,8 +3,8 @@
 A run directory holds `config.json` (what kind of run, its preset, the
 overrides and every setting of the last call), `state.json` (what has been
 trained, with the settings of each part), `environment.jsonl` (the
-machine and software of each command that trained, evaluated or
-studied it, one line each, `experiments.environment`; a new training
+machine and software of each command that trained, sampled, evaluated
+or studied it, one line each, `experiments.environment`; a new training
 starts it afresh), `checkpoints/`, `logs/`
 (TensorBoard), `metrics.jsonl`, `faults.jsonl`, `models/` and PNG figures.
 """

@@ -24,6 +24,7 @@ def sample_run(run_dir, rows=None, domain=None, seed=0):
     rows = config.sample_rows if rows is None else rows
     domain = config.sample_domain if domain is None else domain
     pipeline = load_pipeline(run, config)
+    run.record_environment("sample")
     result = CapsuleSampler(pipeline, seed=seed).sample(rows, domain=domain)
     npz = run.file("samples.npz")
     np.savez(npz, images=result["images"], draws=result["draws"], domain=domain, seed=seed)

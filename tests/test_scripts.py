@@ -124,9 +124,10 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     _check_sampler_draws(run, result["poecaps"], result["result_grid"], err)
     _check_class_mean_reference(run, result["class_mean_reference"])
     _check_groups(run, result)
-    # training, its evaluation, the resumed training, evaluate.py; the refused resume and sample.py add nothing
-    _check_environment(run, ["train", "evaluate", "train", "evaluate"],
-                       ["train_layerwise.py", "train_layerwise.py", "train_layerwise.py", "evaluate.py"])
+    # training, its result grid and evaluation, the resumed training, sample.py, evaluate.py; the refused resume
+    # adds nothing
+    _check_environment(run, ["train", "sample", "evaluate", "train", "sample", "evaluate"],
+                       ["train_layerwise.py"] * 4 + ["sample.py", "evaluate.py"])
 
 
 def _check_environment(run, actions, scripts):
