@@ -1,10 +1,13 @@
-"""The Python API of a run: train from a preset, draw the result grid, evaluate.
+"""The Python API of a run: train from a preset, draw the result grid, evaluate; the supervised baselines.
 
     from poecaps.experiments import api
 
     run = api.train("runs/quick", preset="default", dataset="mnist", limit=2000)
     api.sample(run)          # run/samples.png, run/samples.npz
     print(api.evaluate(run)["result_grid"])
+
+    figures = api.baseline("runs/capsnet", preset="sabour2017", epochs=2)   # trained, then eval.json
+    results, table = api.compare_routing("runs/routing", epochs=1)          # the routing table
 
 Each function takes the run directory; settings are the preset's, changed
 by keyword (checked as `--set` checks them). The command lines call the
@@ -14,9 +17,12 @@ same functions.
 import time
 
 from poecaps.experiments import presets
-from poecaps.experiments.configs import STAGES
+from poecaps.experiments.baseline_evaluation import evaluate_baseline
+from poecaps.experiments.baselines import train_baseline
+from poecaps.experiments.configs import STAGES, BaselineEvaluationConfig
 from poecaps.experiments.evaluation import evaluate_run
 from poecaps.experiments.layerwise import train_layerwise
+from poecaps.experiments.routing_comparison import compare_routing as _compare_routing
 from poecaps.experiments.sampling import sample_run
 from poecaps.experiments.settings import with_values
 
@@ -55,3 +61,30 @@ def run_layerwise(config, run_dir, record=None, stages=STAGES, resume=False, eva
               f"{time.perf_counter() - start:.1f} s", flush=True)
         evaluate_run(run_dir)
     return timings
+
+
+def _evaluation(test_limit, seed=0):
+    return with_values(BaselineEvaluationConfig(), {"seed": seed, "test_limit": test_limit})
+
+
+def baseline(run_dir, preset="sabour2017", resume=False, test_limit=None, **settings):
+    """Train a supervised baseline from `preset` (with `settings` changed) into `run_dir`, then evaluate it.
+
+    As `scripts/baseline.py --preset PRESET --set FIELD=VALUE ...`: `config.json`
+    records the preset and the changed settings; `test_limit` evaluates on
+    only that many test images. Returns the run's `eval.json` figures.
+    """
+    config = with_values(presets.get("baseline", preset), settings)
+    record = {"kind": "baseline", "preset": preset, "overrides": {name: getattr(config, name) for name in settings}}
+    train_baseline(config, run_dir, record, resume=resume)
+    return evaluate_baseline(run_dir, _evaluation(test_limit, config.seed))
+
+
+def compare_routing(root, rows=None, test_limit=None, **settings):
+    """The routing table, as `scripts/compare_routing.py`: `(results {preset: eval.json}, the table as Markdown)`.
+
+    Each row (`rows`: presets of `presets.routing_table()`, default all) is
+    read, evaluated, resumed or trained in `root/<preset>` with `settings`
+    changed in every row's preset.
+    """
+    return _compare_routing(root, settings, rows, _evaluation(test_limit))
