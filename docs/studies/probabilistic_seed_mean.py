@@ -4,7 +4,8 @@ Usage: python docs/studies/probabilistic_seed_mean.py EVAL.json [EVAL.json ...] 
 
 Reads each run's `eval.json` (`scripts/probabilistic_capsules.py`) and
 prints, per feature set and test condition, every seed's probe accuracy
-and their mean, then the issue's probe criteria on the mean: `t0` at
+and their mean (and, for several seeds, their standard deviation,
+`ddof=1`), then the issue's probe criteria on the mean: `t0` at
 least 0.80 at 0 degrees, `(t0, A0)` at least `t0` at 0, 45, 90 and 180
 degrees and on the affine stand-in, and `(t0, A0)` beating the VAE there
 by at least 0.10. Each seed's own outcome of the second criterion is
@@ -42,6 +43,10 @@ def main():
         cells = [" / ".join(f"{v:.3f}" for v in column) + f" (mean {m:.3f})"
                  for column, m in zip(values.T, values.mean(0))]
         print(f"{row}: " + "; ".join(f"{c} {cell}" for c, cell in zip(CONDITIONS, cells)))
+        if len(runs) > 1:
+            spread = values.std(0, ddof=1)
+            print(f"{row} standard deviation over seeds: " + "; ".join(f"{c} {s:.3f}" for c, s in
+                                                                        zip(CONDITIONS, spread)))
     print(f"mean t0 at 0 degrees: {mean['t0']['0']:.3f} ->", "met" if mean["t0"]["0"] >= 0.80 else "not met")
     for r in runs:
         found = r["probe_accuracy"]
