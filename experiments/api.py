@@ -72,7 +72,8 @@ def baseline(run_dir, preset="sabour2017", resume=False, test_limit=None, **sett
 
     As `scripts/baseline.py --preset PRESET --set FIELD=VALUE ...`: `config.json`
     records the preset and the changed settings; `test_limit` evaluates on
-    only that many test images. Returns the run's `eval.json` figures.
+    only that many test images, with the affine transforms drawn from the
+    run's seed (as `--seed` seeds both). Returns the run's `eval.json` figures.
     """
     config = with_values(presets.get("baseline", preset), settings)
     record = {"kind": "baseline", "preset": preset, "overrides": {name: getattr(config, name) for name in settings}}
