@@ -285,8 +285,10 @@ def test_probe_penalty_is_the_best_mean_fold_accuracy_largest_on_ties(rng):
     held = [order[:30], order[30:60], order[60:]]
     expected = []
     for l2 in penalties:
-        scores = [metrics.linear_probe(features[np.setdiff1d(order, h)], labels[np.setdiff1d(order, h)],
-                                       features[h], labels[h], max_iterations=50, l2=l2) for h in held]
+        # each fold fitted on the others in the permuted order, so the sums run as in `probe_penalty`
+        kept = [np.concatenate([p for j, p in enumerate(held) if j != k]) for k in range(3)]
+        scores = [metrics.linear_probe(features[rows], labels[rows], features[h], labels[h], max_iterations=50,
+                                       l2=l2) for rows, h in zip(kept, held)]
         expected.append(np.mean(scores))
     np.testing.assert_allclose(found["accuracy"], expected, rtol=0, atol=1e-12)
     assert found["penalty"] == max(l2 for l2, a in zip(penalties, expected) if a == max(expected))
