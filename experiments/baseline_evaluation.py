@@ -132,6 +132,7 @@ def evaluate_baseline(run_dir, config=None):
         "routing_iterations": train_config.routing_iterations,
         "test_accuracy": float(np.mean(np.argmax(scores, axis=-1) == labels)),
         "affine_accuracy": _accuracy(predict, affine, labels, config.batch_size),
+        "affine_seed": config.seed,
         "rotation_accuracy": {
             str(angle): _accuracy(predict, _transformed(lambda x, a=angle: transforms.rotate(x, a),
                                                       test, config.batch_size),

@@ -56,7 +56,8 @@ def _baseline(argv=None):
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     shortcuts = ("model", "seed", "dataset", "data_dir", "limit", "epochs")
     cli.add_shortcuts(p, "baseline", shortcuts)
-    p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
+    p.add_argument("--evaluate-only", action="store_true",
+                   help="skip training; evaluate --run-dir (here --seed draws the affine test set; default 0)")
     p.add_argument("--test-limit", default=None, metavar="N", help="evaluate on only this many test images")
     args = p.parse_args(argv)
     from poecaps.experiments.baseline_evaluation import (
@@ -66,8 +67,11 @@ def _baseline(argv=None):
     from poecaps.experiments.configs import BaselineEvaluationConfig
     from poecaps.experiments.settings import SettingError, with_values
 
+    # The affine test set is drawn from the evaluation's seed, 0 unless `--evaluate-only --seed S` chooses
+    # another: every run is measured on the same transforms, whatever seed trained it.
     evaluation = with_values(BaselineEvaluationConfig(), {
-        name: value for name, value in (("test_limit", args.test_limit), ("seed", args.seed)) if value is not None})
+        name: value for name, value in (("test_limit", args.test_limit),
+                                        ("seed", args.seed if args.evaluate_only else None)) if value is not None})
     if args.evaluate_only:
         given = ["--set"] * bool(args.set) + ["--resume"] * args.resume + [
             "--" + name.replace("_", "-") for name in shortcuts if name != "seed" and getattr(args, name)]

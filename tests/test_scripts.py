@@ -253,8 +253,12 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, preset):
     expected = {"sabour2017": "perturbations_0.png", "hinton2018-small": "affine_examples.png"}[preset]
     assert os.path.exists(os.path.join(run, expected))
     # evaluating alone gives the same figures; a layer-wise run is refused by name
+    # (the affine test set is seed 0's, not the training seed's, so evaluating again repeats it)
     again = json.loads(_run("baseline.py", "--run-dir", run, "--evaluate-only", "--test-limit", "64"))
-    assert again["test_accuracy"] == result["test_accuracy"]
+    assert result["affine_seed"] == again["affine_seed"] == 0
+    assert (again["test_accuracy"], again["affine_accuracy"]) == (result["test_accuracy"], result["affine_accuracy"])
+    other = json.loads(_run("baseline.py", "--run-dir", run, "--evaluate-only", "--seed", "5", "--test-limit", "64"))
+    assert (other["affine_seed"], other["test_accuracy"]) == (5, result["test_accuracy"])
     _, err = _run("evaluate.py", "--run-dir", run, stderr=True, code=2)
     assert "holds a baseline run; this needs a layerwise run" in err
-    _check_environment(run, ["train", "evaluate", "train", "evaluate", "evaluate"], ["baseline.py"] * 5)
+    _check_environment(run, ["train", "evaluate", "train", "evaluate", "evaluate", "evaluate"], ["baseline.py"] * 6)
