@@ -1,5 +1,6 @@
 """Evaluate a supervised baseline run: accuracy, robustness, routing statistics, figures."""
 
+import dataclasses
 import os
 
 import keras
@@ -129,10 +130,10 @@ def evaluate_baseline(run_dir, config=None):
     affine = _transformed(lambda x: transforms.random_affine(x, seed=seed), test, config.batch_size)
     result = {
         "model": train_config.model, "dataset": train_config.dataset, "test_images": len(test),
+        "evaluation": dataclasses.asdict(config),
         "routing_iterations": train_config.routing_iterations,
         "test_accuracy": float(np.mean(np.argmax(scores, axis=-1) == labels)),
         "affine_accuracy": _accuracy(predict, affine, labels, config.batch_size),
-        "affine_seed": config.seed,
         "rotation_accuracy": {
             str(angle): _accuracy(predict, _transformed(lambda x, a=angle: transforms.rotate(x, a),
                                                       test, config.batch_size),

@@ -6,6 +6,7 @@ CNN trained once per run on the real images) names the sampled images.
 """
 
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -226,7 +227,7 @@ def evaluate_run(run_dir, config=None):
     with _phase("reference classifier"):
         classifier, classifier_accuracy = _classifier(run, train, train_labels, test, test_labels, config)
     result = {"dataset": train_config.dataset, "train_images": len(train), "test_images": len(test),
-              "reference_classifier_test_accuracy": classifier_accuracy}
+              "evaluation": dataclasses.asdict(config), "reference_classifier_test_accuracy": classifier_accuracy}
     grid = _result_grid(run, classifier, classes)
     if grid is not None:
         result["result_grid"] = grid

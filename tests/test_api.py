@@ -25,7 +25,7 @@ def test_baseline_records_its_preset_and_evaluates_as_the_script_does(tmp_path, 
     from poecaps.experiments.baseline_evaluation import evaluate_baseline
     from poecaps.experiments.configs import BaselineEvaluationConfig
 
-    assert found["affine_seed"] == 0
+    assert found["evaluation"]["seed"] == 0
     assert evaluate_baseline(run, BaselineEvaluationConfig(test_limit=16)) == found
     with pytest.raises(SettingError, match="epochs"):
         api.baseline(str(tmp_path / "bad"), epochs=0)

@@ -115,6 +115,8 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     out, err = _run("evaluate.py", "--run-dir", run, "--rows", "5", "--draws", "3", "--diagnostics", "true",
                     stderr=True)
     result = json.loads(out)   # stdout is the JSON alone; the progress goes to stderr
+    assert {k: result["evaluation"][k] for k in ("seed", "rows", "draws", "diagnostics")} == {
+        "seed": 0, "rows": 5, "draws": 3, "diagnostics": True}                 # eval.json says how it was made
     for step in ("reference classifier", "linear probes", "one-capsule decodings and the autoencoder alone",
                  "pixel k-means reference (4 clusters)", "Bernoulli RBM"):
         assert f"[evaluate] {step}: " in err, err[-2000:]
@@ -255,10 +257,10 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, preset):
     # evaluating alone gives the same figures; a layer-wise run is refused by name
     # (the affine test set is seed 0's, not the training seed's, so evaluating again repeats it)
     again = json.loads(_run("baseline.py", "--run-dir", run, "--evaluate-only", "--test-limit", "64"))
-    assert result["affine_seed"] == again["affine_seed"] == 0
+    assert result["evaluation"]["seed"] == again["evaluation"]["seed"] == 0
     assert (again["test_accuracy"], again["affine_accuracy"]) == (result["test_accuracy"], result["affine_accuracy"])
     other = json.loads(_run("baseline.py", "--run-dir", run, "--evaluate-only", "--seed", "5", "--test-limit", "64"))
-    assert (other["affine_seed"], other["test_accuracy"]) == (5, result["test_accuracy"])
+    assert (other["evaluation"]["seed"], other["test_accuracy"]) == (5, result["test_accuracy"])
     _, err = _run("evaluate.py", "--run-dir", run, stderr=True, code=2)
     assert "holds a baseline run; this needs a layerwise run" in err
     _check_environment(run, ["train", "evaluate", "train", "evaluate", "evaluate", "evaluate"], ["baseline.py"] * 6)
