@@ -69,9 +69,10 @@ def _baseline(argv=None):
 
     # The affine test set is drawn from the evaluation's seed, 0 unless `--evaluate-only --seed S` chooses
     # another: every run is measured on the same transforms, whatever seed trained it.
-    evaluation = with_values(BaselineEvaluationConfig(), {
-        name: value for name, value in (("test_limit", args.test_limit),
-                                        ("seed", args.seed if args.evaluate_only else None)) if value is not None})
+    values = {} if args.test_limit is None else {"test_limit": args.test_limit}
+    if args.evaluate_only and args.seed is not None:
+        values["seed"] = args.seed
+    evaluation = with_values(BaselineEvaluationConfig(), values)
     if args.evaluate_only:
         given = ["--set"] * bool(args.set) + ["--resume"] * args.resume + [
             "--" + name.replace("_", "-") for name in shortcuts if name != "seed" and getattr(args, name)]
