@@ -4,7 +4,9 @@ Batch 128, 28x28x1, conv 256 9x9, 32 x 8-D primary capsules, 10 x 16-D class
 capsules, 3 routing rounds (2 agreement updates), margin loss plus the
 reconstruction decoder, Adam. The reference writes the class-capsule layer
 as the original code does: W tiled over the batch, inputs tiled over the
-classes, one small matmul per (example, input, class). Last line: RESULT
+classes, one small matmul per (example, input, class); before timing, it is
+given a CapsNet's weights and must give its class capsules and loss (the
+run stops otherwise). Last line: RESULT
 images_per_s=<n> vs_reference=<ratio> matmul_fraction=<f>, with
 matmul_fraction = achieved FLOP/s (the convolutions, votes, routing sums and
 decoder, forward and backward) / dense-matmul FLOP/s measured in the same run.
@@ -37,7 +39,8 @@ class TiledReference(keras.Model):
                                          keras.layers.Dense(1024, activation="relu"),
                                          keras.layers.Dense(784, activation="sigmoid")])
 
-    def call(self, images, labels):
+    def class_poses(self, images):
+        """The class capsules `v` `[B, J, 16]` after `rounds` routing rounds on the tiled votes."""
         batch = tf.shape(images)[0]
         u = squash(tf.reshape(self.primary(self.conv1(images)), (batch, 1152, 8)))
         w = tf.tile(self.w[None], [batch, 1, 1, 1, 1])                       # [B, I, J, 16, 8]
@@ -49,12 +52,41 @@ class TiledReference(keras.Model):
             v = squash(tf.reduce_sum(c[..., None] * votes, axis=1))
             if r < self.rounds - 1:
                 logits += tf.reduce_sum(votes * v[:, None], -1)
+        return v
+
+    def call(self, images, labels):
+        batch = tf.shape(images)[0]
+        v = self.class_poses(images)
         lengths = tf.norm(v + 1e-9, axis=-1)
         mask = tf.one_hot(labels, self.w.shape[1])
         recon = self.decoder(tf.reshape(v * mask[..., None], (batch, -1)))
         loss = losses.margin_loss(labels, lengths) + 0.0005 * tf.reduce_sum(
             tf.square(tf.reshape(images, (batch, -1)) - recon), -1)
         return tf.reduce_mean(loss)
+
+
+def reference_disagreement(ref, images, labels, seed):
+    """How far the reference is from poecaps' CapsNet given the same weights (0 up to float32 sums).
+
+    A fresh CapsNet (3 rounds) with its class capsules' W scaled by 10, so
+    that routing moves the coefficients far from uniform (a round more or
+    less then changes `v` by ~3e-3; at the initial W by ~6e-6, float noise),
+    lends its weights to the reference. Returns the larger of
+    max |v_ref - v| / max |v| (class capsules) and |loss_ref - loss| / |loss|;
+    both are float32 sums of at most 1152 terms in another order, ~1e-6.
+    """
+    network = CapsNet((28, 28, 1), 10, routing_iterations=3, seed=seed)
+    network.class_capsules.kernel.assign(network.class_capsules.kernel * 10)
+    pairs = [(ref.conv1.kernel, network.conv1.kernel), (ref.conv1.bias, network.conv1.bias),
+             (ref.primary.kernel, network.primary_conv.kernel), (ref.primary.bias, network.primary_conv.bias),
+             (ref.w, network.class_capsules.kernel)]
+    pairs += list(zip(ref.decoder.weights, network.decoder.weights))
+    for target, source in pairs:
+        target.assign(source)
+    poses = network.encode(images).poses.numpy()
+    loss = float(network.loss_terms(images, labels)[0])
+    return max(np.abs(ref.class_poses(images).numpy() - poses).max() / np.abs(poses).max(),
+               abs(float(ref(images, labels)) - loss) / abs(loss))
 
 
 def capsnet_flops(batch, rounds=3):
@@ -97,6 +129,11 @@ def main():
         return
     ref = TiledReference()
     ref(images, labels)
+    difference = reference_disagreement(ref, images, labels, args.seed)
+    print(f"the reference given poecaps' weights: relative difference {difference:.1e}", flush=True)
+    if difference > 1e-5:
+        raise SystemExit("the reference computes another function than poecaps' CapsNet; its timing compares "
+                         "nothing")
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(ref.trainable_weights)
 
