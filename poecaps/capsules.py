@@ -16,9 +16,19 @@ def safe_norm(x, axis=-1, keepdims=False, epsilon=EPSILON):
 
 def norm(x, axis=-1, keepdims=False):
     """Euclidean norm `|x|`, exact, with the gradient 0 at `x = 0` (where sqrt's is infinite)."""
-    sq = ops.sum(ops.square(x), axis=axis, keepdims=keepdims)
+    return root(ops.sum(ops.square(x), axis=axis, keepdims=keepdims))
+
+
+def root(sq):
+    """`sqrt(sq)` for `sq >= 0`, exact, with the gradient 0 at `sq = 0` (where sqrt's is infinite)."""
     positive = sq > 0
     return ops.where(positive, ops.sqrt(ops.where(positive, sq, 1.0)), 0.0)
+
+
+def ratio(numerator, denominator):
+    """`numerator / denominator`, and 0 where the denominator is 0, with finite gradients there too."""
+    nonzero = denominator != 0
+    return ops.where(nonzero, numerator / ops.where(nonzero, denominator, 1.0), 0.0)
 
 
 def squash(z, axis=-1):

@@ -34,7 +34,7 @@ going through memory; `kernel_views` gives W as `[J, I*D_in, D_out]` and
 
 from keras import ops
 
-from poecaps.capsules import EPSILON, squash
+from poecaps.capsules import EPSILON, root, squash
 
 # ---- internal, upper-capsule-major helpers ---------------------------------
 
@@ -186,12 +186,13 @@ def reconstruct(v, kernel, c):
     return reconstruct_j(ops.transpose(v, (1, 0, 2)), wt, to_j_major(c), kernel.shape[-1])
 
 
-def vote_norms_j(x, kernel, epsilon=EPSILON):
+def vote_norms_j(x, kernel):
     """`|W_ij x_i|` for every pair as `[J, B, I]`, through the Gram matrices `W_ij^T W_ij`.
 
     `|W_ij x_i|^2 = <x_i x_i^T, W_ij^T W_ij>`: one batched matmul over I of the
     outer products `[I, B, D_in^2]` with the Gram matrices `[I, D_in^2, J]`,
-    so no `[J, B, I, D_in]` tensor is formed.
+    so no `[J, B, I, D_in]` tensor is formed. Exact (no epsilon), with the
+    gradient 0 where a vote is 0.
     """
     num_in, num_out, d_out, d_in = kernel.shape
     # Gram matrices as a sum of D_out outer products of W's rows, [D_in, D_in, I, J]:
@@ -203,7 +204,7 @@ def vote_norms_j(x, kernel, epsilon=EPSILON):
     outer = ops.reshape(xt[:, :, :, None] * xt[:, :, None, :], (num_in, -1, d_in * d_in))
     # [I, B, D_in^2] x [I, D_in^2, J] -> [I, B, J] -> [J, B, I]
     sq = ops.transpose(ops.matmul(outer, gram), (2, 1, 0))
-    return ops.sqrt(ops.maximum(sq, 0.0) + epsilon)
+    return root(ops.maximum(sq, 0.0))
 
 
 def uniform_sum_j(x, kernel, scale):

@@ -38,7 +38,8 @@ def numpy_dynamic_routing(votes, iterations, agreement, normalize, activations=N
                 for j in range(num_out):
                     dot = votes[n, i, j] @ v[n, j]
                     if agreement == "cosine":
-                        dot /= np.sqrt(votes[n, i, j] @ votes[n, i, j] + 1e-7) * np.sqrt(v[n, j] @ v[n, j] + 1e-7)
+                        lengths = np.linalg.norm(votes[n, i, j]) * np.linalg.norm(v[n, j])
+                        dot = dot / lengths if lengths > 0 else 0.0
                     b[n, i, j] += dot
     return v, c
 
@@ -56,6 +57,38 @@ def test_matches_numpy_reference(rng, agreement, normalize, iterations):
     np.testing.assert_allclose(ops.convert_to_numpy(result.poses), poses, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(ops.convert_to_numpy(result.activations),
                                np.linalg.norm(poses, axis=-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", ["parents", "children"])
+def test_cosine_agreement_is_exact_at_small_lengths(rng, normalize):
+    """Votes of length ~1e-3 (squash makes v ~1e-6 long, as early in CD training): the reference still
+    holds, and the coefficients are those of the same votes 1000 times longer, as a cosine's must be."""
+    votes = rng.normal(size=(2, 5, 3, 4))
+    small = DynamicRouting(3, agreement="cosine", normalize=normalize)(votes * 1e-3)
+    _, c = numpy_dynamic_routing(votes * 1e-3, 3, "cosine", normalize)
+    np.testing.assert_allclose(ops.convert_to_numpy(small.coefficients), c, rtol=1e-5, atol=1e-7)
+    large = DynamicRouting(3, agreement="cosine", normalize=normalize)(votes)
+    np.testing.assert_allclose(ops.convert_to_numpy(small.coefficients),
+                               ops.convert_to_numpy(large.coefficients), rtol=1e-5, atol=1e-7)
+    x, w = rng.normal(size=(3, 7, 4)), rng.normal(size=(7, 5, 6, 4))
+    layer = DynamicRouting(3, agreement="cosine", normalize=normalize)
+    np.testing.assert_allclose(ops.convert_to_numpy(layer.route_linear(x, w * 1e-3).coefficients),
+                               ops.convert_to_numpy(layer.route_linear(x, w).coefficients), rtol=1e-5, atol=1e-7)
+
+
+def test_cosine_agreement_with_a_zero_vote_has_finite_gradients(rng):
+    import tensorflow as tf
+
+    votes = rng.normal(size=(2, 5, 3, 4)).astype("float32")
+    votes[0, 1, 2] = 0.0                                 # one vote exactly 0: its agreement is 0
+    votes = tf.constant(votes)
+    with tf.GradientTape() as tape:
+        tape.watch(votes)
+        result = DynamicRouting(3, agreement="cosine")(votes)
+        total = tf.reduce_sum(result.poses)
+    assert np.all(np.isfinite(tape.gradient(total, votes).numpy()))
+    _, c = numpy_dynamic_routing(votes.numpy().astype("float64"), 3, "cosine", "parents")
+    np.testing.assert_allclose(ops.convert_to_numpy(result.coefficients), c, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("agreement", ["dot", "cosine"])

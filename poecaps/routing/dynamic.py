@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from poecaps.capsules import norm, safe_norm, squash
+from poecaps.capsules import norm, ratio, squash
 from poecaps.routing.base import Routing, RoutingResult
 
 AGREEMENTS = ("dot", "cosine")
@@ -26,7 +26,8 @@ class DynamicRouting(Routing):
         c = softmax(b)                         (over parents j or children i)
         z_j = sum_i c_ij a_i u_{j|i}           (Hauser eq. 3)
         v_j = squash(z_j)                      (Hauser eq. 4)
-        b_ij += agreement(u_{j|i}, v_j)        (dot: u.v;  cosine: u.v/|u||v|)
+        b_ij += agreement(u_{j|i}, v_j)        (dot: u.v;  cosine: u.v/|u||v|, exactly;
+                                               0 where u or v is 0)
 
     except that the last round makes no update: its `c`, `z` and `v` are the
     result. So `iterations` counts rounds as Sabour's Procedure 1 counts its
@@ -93,7 +94,9 @@ class DynamicRouting(Routing):
             v = squash(z)
             agreement = dot_with_votes(v)
             if norms is not None:
-                agreement = agreement / (norms * v_norm(v))
+                # exact: cosine is the same at every length (an epsilon under the root would damp
+                # it where |v| is small, as squash makes it early in training); 0 at a zero vote
+                agreement = ratio(agreement, norms * v_norm(v))
             logits = logits + agreement
         c = softmax(logits)
         return c, weighted_sum(c)
@@ -119,8 +122,8 @@ class DynamicRouting(Routing):
             lambda c: ops.einsum("bij,bijd->bjd", c * weight, votes),
             # [B, I, J, D] x [B, J, D] -> [B, I, J]
             lambda v: ops.einsum("bijd,bjd->bij", votes, v),
-            lambda: safe_norm(votes),
-            lambda v: safe_norm(v)[:, None, :],
+            lambda: norm(votes),
+            lambda v: norm(v)[:, None, :],
         )
         return self._result(c, z)
 
@@ -148,7 +151,7 @@ class DynamicRouting(Routing):
             lambda cj: energy.routed_sum_j(x, wr, cj * weight),
             lambda vj: energy.vote_agreement_j(vj, wt, x),
             lambda: energy.vote_norms_j(x, kernel),
-            lambda vj: safe_norm(vj)[:, :, None],
+            lambda vj: norm(vj)[:, :, None],
             uniform_sum=lambda: energy.uniform_sum_j(
                 x if activations is None else x * ops.cast(activations, dtype)[:, :, None],
                 kernel, uniform),
