@@ -7,7 +7,8 @@ reference does what the original capsule code does: tiled votes
 poecaps is timed three ways: one TensorFlow graph, one XLA computation, and
 the batch cut into `--shards` parts, each its own XLA computation, in one
 graph that runs them at the same time (what `CDTrainer(shards=...)` does);
-the best counts. Last line: RESULT images_per_s=<n> vs_reference=<ratio>
+the best counts. Before it is timed, the reference's statistic must equal
+poecaps' to 1e-5 (the run stops otherwise). Last line: RESULT images_per_s=<n> vs_reference=<ratio>
 matmul_fraction=<f>, where matmul_fraction = achieved FLOP/s (the
 algorithm's contractions) / dense-matmul FLOP/s measured in the same run.
 """
@@ -15,6 +16,7 @@ algorithm's contractions) / dense-matmul FLOP/s measured in the same run.
 import argparse
 
 import keras
+import numpy as np
 import tensorflow as tf
 from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 
@@ -93,6 +95,12 @@ def main():
         reference = float("nan")
     else:
         ref = tf.function(lambda x: reference_cd_step(x, experts.kernel, args.rounds))
+        # the same statistic from both, to float32 sums in another order (~1e-6), or the timing compares nothing
+        mine, theirs = experts.cd_gradients(x)[0][0].numpy(), ref(x).numpy()
+        difference = np.abs(mine - theirs).max() / np.abs(theirs).max()
+        print(f"the reference's CD statistic against poecaps': relative difference {difference:.1e}", flush=True)
+        if difference > 1e-5:
+            raise SystemExit("the reference computes another statistic than poecaps; its timing compares nothing")
         reference = best_seconds(lambda: ref(x).numpy(), warmup=1, repeats=2)
         print(f"reference (tiled, no XLA): {reference * 1e3:7.1f} ms/step  {b / reference:7.0f} images/s")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step; "
