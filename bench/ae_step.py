@@ -3,7 +3,10 @@
 Batch 128, 28x28x1 images, filters [9,9,1,128] and [9,9,128,128] stride 2
 (Hauser section 4.1). The reference is the same network written with stock
 Keras layers (Conv2D / Conv2DTranspose with their own, untied decoder
-filters). Last line: RESULT images_per_s=<n> vs_reference=<ratio>
+filters: the same convolutions, twice the filters to update). Before
+timing, it is given poecaps' weights, its decoder filters set to the
+encoder's, and must reproduce the reconstructions and the loss (dropout
+off) to 1e-5, or the run stops. Last line: RESULT images_per_s=<n> vs_reference=<ratio>
 matmul_fraction=<f>, with matmul_fraction = achieved FLOP/s of the
 convolutions / dense-matmul FLOP/s measured in the same run.
 """
@@ -30,6 +33,33 @@ def reference_model(shape, filters=128, kernel=9):
     model = keras.Model(inputs, outputs)
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="binary_crossentropy")
     return model
+
+
+def reference_disagreement(reference, autoencoder, images, seed):
+    """How far the reference is from `autoencoder` given its weights, decoder filters tied (0 up to float32 sums).
+
+    The autoencoder's biases are first drawn from N(0, 0.1), so that they
+    enter the check. Returns the larger of max |x_ref - x| (reconstructions
+    in (0, 1), dropout off) and |loss_ref - loss| / |loss| (binary
+    cross-entropy): float32 convolutions summed in another order, ~1e-6.
+    """
+    autoencoder(images[:1])
+    for k, bias in enumerate([autoencoder.bias1, autoencoder.bias2, autoencoder.decoder_bias2,
+                              autoencoder.decoder_bias1]):
+        bias.assign(keras.random.normal(bias.shape, stddev=0.1, seed=seed + k))
+    conv1, conv2, deconv2, deconv1 = [layer for layer in reference.layers if layer.weights]
+    pairs = [(conv1, autoencoder.kernel1, autoencoder.bias1), (conv2, autoencoder.kernel2, autoencoder.bias2),
+             (deconv2, autoencoder.kernel2, autoencoder.decoder_bias2),
+             (deconv1, autoencoder.kernel1, autoencoder.decoder_bias1)]
+    for layer, kernel, bias in pairs:
+        layer.kernel.assign(kernel)
+        layer.bias.assign(bias)
+    flat = lambda x: np.reshape(x, (len(images), -1))
+    reconstructions = np.asarray(autoencoder(images, training=False))
+    ref_reconstructions = np.asarray(reference(images, training=False))
+    loss = float(np.mean(keras.losses.binary_crossentropy(flat(images), flat(reconstructions))))
+    ref_loss = float(reference.evaluate(images, images, batch_size=len(images), verbose=0))
+    return max(np.abs(ref_reconstructions - reconstructions).max(), abs(ref_loss - loss) / abs(loss))
 
 
 def conv_flops(h, w, c, filters, kernel, strides):
@@ -63,6 +93,11 @@ def main():
               flush=True)
     seconds = results[False]  # XLA is slower for these convolutions on CPU; the default is off
     reference = reference_model((28, 28, 1))
+    difference = reference_disagreement(reference, ConvAutoencoder(seed=args.seed), images, args.seed)
+    print(f"the reference given poecaps' weights: difference {difference:.1e}", flush=True)
+    if difference > 1e-5:
+        raise SystemExit("the reference computes another function than poecaps' ConvAutoencoder; its timing "
+                         "compares nothing")
     ref_seconds = best_seconds(lambda: reference.train_on_batch(images, images), warmup=2,
                                repeats=args.repeats)
     print(f"reference (stock Keras layers): {ref_seconds * 1e3:7.1f} ms/step  "

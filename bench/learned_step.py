@@ -10,7 +10,9 @@ receptive fields extracted by `tf.image.extract_patches`, votes from pose
 matrices and transformation matrices tiled to one small matmul per vote,
 each parent's pose tiled over its children, and for the connectionist
 router one LSTM input `[mu, V, c, a]` concatenated per pair; one graph, no
-XLA. Both have the same weights' shapes and the same arithmetic.
+XLA. Both have the same weights' shapes and the same arithmetic: before
+timing, the reference is given a `RoutingCapsNet`'s weights and must
+reproduce its class capsules and loss to 1e-5, or the run stops.
 
 For each router: a line per implementation, the peak memory of a step
 (bytes the allocator held at its peak beyond what was live before the
@@ -145,7 +147,8 @@ class TiledReference(keras.Model):
         mu, a_out = self.routers[k](votes, tf.reshape(a, (-1, num_in)))
         return tf.reshape(mu, (-1, h, w, 16 * 16)), tf.reshape(a_out, (-1, h, w, 16))
 
-    def call(self, images, labels):
+    def class_capsules(self, images):
+        """`(poses [B, 10, 16], scores [B, 10])`, batch norm in training mode."""
         x = self.batch_norm(self.conv1(images), training=True)
         unit = lambda p: p / tf.sqrt(tf.reduce_sum(tf.square(p), axis=-1, keepdims=True) + 1e-7)
         poses = unit(tf.reshape(self.pose(x), (-1, 12, 12, 8, 16)))
@@ -153,8 +156,56 @@ class TiledReference(keras.Model):
         p1 = tf.reshape(unit(tf.reshape(p1, (-1, 5, 5, 16, 16))), (-1, 5, 5, 256))
         p2, a2 = self._conv_caps(p1, a1, 1, 1)
         votes = tiled_votes(unit(tf.reshape(p2, (-1, 144, 16))), self.w[2])
-        _, scores = self.routers[2](votes, tf.reshape(a2, (-1, 144)))
+        return self.routers[2](votes, tf.reshape(a2, (-1, 144)))
+
+    def call(self, images, labels):
+        _, scores = self.class_capsules(images)
         return tf.reduce_mean(losses.softmax_cross_entropy(labels, scores))
+
+
+def router_pairs(ref_router, router):
+    """(reference weight, poecaps weight) pairs of one layer's router."""
+    if isinstance(ref_router, TiledSimilarity):
+        names = [("alpha", "alpha"), ("beta", "beta"), ("theta1", "theta1"), ("theta2", "theta2"),
+                 ("theta3", "theta3"), ("widths", "length_scale_logits"), ("mixture", "mixture_logits")]
+        return [(getattr(ref_router, a), getattr(router, b)) for a, b in names]
+    pairs = [(ref_router.kernel, router.kernel), (ref_router.recurrent, router.recurrent_kernel),
+             (ref_router.bias, router.bias)]
+    for ref_layers, layers in ((ref_router.f_c, router.compatibility_layers),
+                               (ref_router.f_a, router.activation_layers)):
+        pairs += [(a.kernel, b.kernel) for a, b in zip(ref_layers, layers, strict=True)]
+        pairs += [(a.bias, b.bias) for a, b in zip(ref_layers, layers, strict=True)]
+    return pairs
+
+
+def reference_disagreement(ref, router, images, labels, seed):
+    """How far the reference is from poecaps' `RoutingCapsNet` given the same weights (0 up to float32 sums).
+
+    A fresh `RoutingCapsNet` (routed whole, eagerly, batch norm in training
+    mode) lends every weight to the reference. Returns the larger of
+    max |mu_ref - mu| / max |mu| (class poses), max |a_ref - a| (class
+    activations) and |loss_ref - loss| / |loss|: float32 sums in another
+    order, ~1e-6.
+    """
+    network = RoutingCapsNet((28, 28, 1), 10, routing=router, seed=seed)
+    pairs = [(ref.conv1.kernel, network.conv1.kernel), (ref.conv1.bias, network.conv1.bias),
+             (ref.pose.kernel, network.primary.pose_conv.kernel), (ref.pose.bias, network.primary.pose_conv.bias),
+             (ref.act.kernel, network.primary.activation_conv.kernel),
+             (ref.act.bias, network.primary.activation_conv.bias)]
+    pairs += list(zip(ref.batch_norm.weights, network.batch_norm.weights, strict=True))
+    pairs += list(zip(ref.w, [network.conv_caps1.kernel, network.conv_caps2.kernel,
+                              network.class_capsules.kernel], strict=True))
+    for ref_router, poecaps_router in zip(ref.routers, network.routers, strict=True):
+        pairs += router_pairs(ref_router, poecaps_router)
+    for target, source in pairs:
+        assert target.shape == source.shape, (target.path, source.path)
+        target.assign(source)
+    result = network.encode(images, training=True)
+    poses, scores = result.poses.numpy(), result.activations.numpy()
+    loss = float(network.loss_terms(images, labels, training=True)[0])
+    ref_poses, ref_scores = (t.numpy() for t in ref.class_capsules(images))
+    return max(np.abs(ref_poses - poses).max() / np.abs(poses).max(), np.abs(ref_scores - scores).max(),
+               abs(float(ref(images, labels)) - loss) / abs(loss))
 
 
 def step_flops(batch, router):
@@ -209,6 +260,11 @@ def main():
 
         ref = TiledReference(router)
         ref(images, labels)
+        difference = reference_disagreement(ref, router, images, labels, args.seed)
+        print(f"{router}: the reference given poecaps' weights: relative difference {difference:.1e}", flush=True)
+        if difference > 1e-5:
+            raise SystemExit(f"the reference computes another function than poecaps' RoutingCapsNet ({router}); "
+                             "its timing compares nothing")
         optimizer = keras.optimizers.Adam(3e-3)
         optimizer.build(ref.trainable_weights)
 

@@ -2,15 +2,22 @@
 
 They are measured by hand, never timed here (no figure is checked but its
 form); this only keeps them from rotting as the library changes under them.
+Their references' checks against poecaps are tested for power: a reference
+one routing round off (or, for the autoencoder, poecaps with another leaky
+ReLU slope) must fail them.
 """
 
+import importlib
 import math
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from poecaps.layers import ConvAutoencoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOY = {
@@ -40,3 +47,56 @@ def test_benchmark_ends_on_its_result_line(script):
     assert match, last
     images_per_s, vs_reference, matmul_fraction = map(float, match.groups())
     assert all(math.isfinite(x) and x > 0 for x in (images_per_s, vs_reference, matmul_fraction)), last
+
+
+def _bench_module(name, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    return importlib.import_module(name)
+
+
+def _disagreements(case, monkeypatch):
+    """The check's figure for poecaps' own function, then for a neighbour, and the check's tolerance.
+
+    The neighbour: the reference with 2 routing rounds against poecaps' 3;
+    for the autoencoder, poecaps with leaky ReLU slope 0.3 against the
+    reference's 0.2.
+    """
+    rng = np.random.default_rng(0)
+    images = rng.uniform(size=(2, 28, 28, 1)).astype("float32")
+    labels = rng.integers(0, 10, size=2)
+    figures = []
+    for rounds in (3, 2):
+        if case == "ae":
+            bench = _bench_module("ae_step", monkeypatch)
+            slope = 0.2 if rounds == 3 else 0.3         # the reference's is Keras' default, 0.2
+            figures.append(bench.reference_disagreement(bench.reference_model((28, 28, 1)),
+                                                        ConvAutoencoder(negative_slope=slope, seed=0), images, 0))
+            tolerance = 1e-5
+        elif case == "capsnet":
+            bench = _bench_module("capsnet_step", monkeypatch)
+            ref = bench.TiledReference(rounds=rounds)
+            ref(images, labels)
+            figures.append(bench.reference_disagreement(ref, images, labels, seed=0))
+            tolerance = 1e-5
+        elif case == "em":
+            bench = _bench_module("em_step", monkeypatch)
+            sizes = (8, 2, 3, 3)
+            ref = bench.TiledReference(sizes, iterations=rounds)
+            ref(images, labels, margin=0.2)
+            figures.append(bench.reference_disagreement(ref, images, labels, sizes, seed=0))
+            tolerance = 1e-4
+        else:
+            bench = _bench_module("learned_step", monkeypatch)
+            monkeypatch.setattr(bench, "ITERATIONS", rounds)
+            ref = bench.TiledReference(case)
+            ref(images, labels)
+            figures.append(bench.reference_disagreement(ref, case, images, labels, seed=0))
+            tolerance = 1e-5
+    return figures, tolerance
+
+
+@pytest.mark.parametrize("case", ["ae", "capsnet", "em", "similarity", "connectionist"])
+def test_reference_checks_pass_the_same_function_and_fail_a_neighbour(case, monkeypatch):
+    (same, fewer), tolerance = _disagreements(case, monkeypatch)
+    assert same < tolerance, same
+    assert fewer > 10 * tolerance, fewer
