@@ -9,10 +9,11 @@ EM algorithm on those tiled tensors, with `MatrixCapsNet`'s settings (costs
 standardised over the parents, final inverse temperature 1, coordinate
 addition). Before timing, it is given a `MatrixCapsNet`'s weights and must
 reproduce its class capsules and loss to 1e-4, or the run stops.
-poecaps runs its defaults: EM from
-moment contractions (`EMRouting(implementation="moments")`) and the
-convolutional capsule layers in chunks of 1024 lower capsules
-(`--chunk-capsules 0` routes the whole batch at once), as one graph, as
+
+poecaps runs its defaults: EM from moment contractions
+(`EMRouting(implementation="moments")`) and the convolutional capsule
+layers in chunks of 1024 lower capsules (`--chunk-capsules 0` routes the
+whole batch at once), as one graph, as
 one XLA computation, and as `--shards` concurrent XLA computations on
 consecutive parts of the batch (`SupervisedTrainer(shards=...)`, 2 on a CPU);
 the RESULT line is the fastest of the three, named on the line before it.
