@@ -20,6 +20,9 @@ from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
 from poecaps.layers import ConvAutoencoder
 from poecaps.trainers.autoencoder import AutoencoderTrainer
 
+# The largest difference from poecaps that the reference check accepts (see `reference_disagreement`).
+TOLERANCE = 1e-5
+
 
 def reference_model(shape, filters=128, kernel=9):
     inputs = keras.Input(shape)
@@ -95,7 +98,7 @@ def main():
     reference = reference_model((28, 28, 1))
     difference = reference_disagreement(reference, ConvAutoencoder(seed=args.seed), images, args.seed)
     print(f"the reference given poecaps' weights: difference {difference:.1e}", flush=True)
-    if difference > 1e-5:
+    if difference > TOLERANCE:
         raise SystemExit("the reference computes another function than poecaps' ConvAutoencoder; its timing "
                          "compares nothing")
     ref_seconds = best_seconds(lambda: reference.train_on_batch(images, images), warmup=2,

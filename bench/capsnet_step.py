@@ -24,6 +24,9 @@ from poecaps.capsules import squash
 from poecaps.models import CapsNet
 from poecaps.trainers.supervised import SupervisedTrainer
 
+# The largest difference from poecaps that the reference check accepts (see `reference_disagreement`).
+TOLERANCE = 1e-5
+
 
 class TiledReference(keras.Model):
     """CapsNet with the class capsules computed from tiled tensors (the original code's way)."""
@@ -131,7 +134,7 @@ def main():
     ref(images, labels)
     difference = reference_disagreement(ref, images, labels, args.seed)
     print(f"the reference given poecaps' weights: relative difference {difference:.1e}", flush=True)
-    if difference > 1e-5:
+    if difference > TOLERANCE:
         raise SystemExit("the reference computes another function than poecaps' CapsNet; its timing compares "
                          "nothing")
     optimizer = keras.optimizers.Adam(1e-3)

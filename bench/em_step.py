@@ -39,6 +39,10 @@ from poecaps.trainers.supervised import SupervisedTrainer
 SIZES = {"small": (64, 8, 16, 16), "paper": (32, 32, 32, 32)}
 
 
+# The largest difference from poecaps that the reference check accepts (see `reference_disagreement`).
+TOLERANCE = 1e-4
+
+
 def tiled_em(votes, act, beta_u, beta_a, iterations=3, final_lambda=1.0):
     """EM routing on `[N, I, J, 16]` votes, written plainly, costs standardised over the J parents."""
     num_out = votes.shape[2]
@@ -205,7 +209,7 @@ def main():
     ref(images, labels, margin=0.2)
     difference = reference_disagreement(ref, images, labels, sizes, args.seed)
     print(f"the reference given poecaps' weights: relative difference {difference:.1e}", flush=True)
-    if difference > 1e-4:
+    if difference > TOLERANCE:
         raise SystemExit("the reference computes another function than poecaps' MatrixCapsNet; its timing "
                          "compares nothing")
     optimizer = keras.optimizers.Adam(1e-3)

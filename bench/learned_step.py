@@ -38,6 +38,10 @@ from poecaps.trainers.supervised import SupervisedTrainer
 ITERATIONS = 3
 
 
+# The largest difference from poecaps that the reference check accepts (see `reference_disagreement`).
+TOLERANCE = 1e-5
+
+
 def patches(x, kernel, strides):
     """`[B, H, W, C]` -> `[B, H', W', K*K*C]` by `tf.image.extract_patches` (offset-major, as the author's)."""
     return tf.image.extract_patches(x, [1, kernel, kernel, 1], [1, strides, strides, 1], [1, 1, 1, 1], "VALID")
@@ -262,7 +266,7 @@ def main():
         ref(images, labels)
         difference = reference_disagreement(ref, router, images, labels, args.seed)
         print(f"{router}: the reference given poecaps' weights: relative difference {difference:.1e}", flush=True)
-        if difference > 1e-5:
+        if difference > TOLERANCE:
             raise SystemExit(f"the reference computes another function than poecaps' RoutingCapsNet ({router}); "
                              "its timing compares nothing")
         optimizer = keras.optimizers.Adam(3e-3)
