@@ -17,7 +17,7 @@ import argparse
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
+from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, require_same_function
 
 from poecaps import distribute, losses
 from poecaps.capsules import squash
@@ -133,10 +133,7 @@ def main():
     ref = TiledReference()
     ref(images, labels)
     difference = reference_disagreement(ref, images, labels, args.seed)
-    print(f"the reference given poecaps' weights: relative difference {difference:.1e}", flush=True)
-    if difference > TOLERANCE:
-        raise SystemExit("the reference computes another function than poecaps' CapsNet; its timing compares "
-                         "nothing")
+    require_same_function(difference, TOLERANCE, "CapsNet")
     optimizer = keras.optimizers.Adam(1e-3)
     optimizer.build(ref.trainable_weights)
 

@@ -34,3 +34,11 @@ def cpu_allocator():
     except ValueError:
         return "default"
     return "BFC"
+
+
+def require_same_function(difference, tolerance, model, prefix=""):
+    """Print the reference check's figure; stop the run unless the reference computes `model`'s function."""
+    print(f"{prefix}the reference given poecaps' weights: difference {difference:.1e}", flush=True)
+    if difference > tolerance:
+        raise SystemExit(f"the reference computes another function than poecaps' {model}; its timing compares "
+                         "nothing")

@@ -27,7 +27,7 @@ import itertools
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
+from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, require_same_function
 
 from poecaps import losses
 from poecaps.models import RoutingCapsNet
@@ -265,10 +265,7 @@ def main():
         ref = TiledReference(router)
         ref(images, labels)
         difference = reference_disagreement(ref, router, images, labels, args.seed)
-        print(f"{router}: the reference given poecaps' weights: relative difference {difference:.1e}", flush=True)
-        if difference > TOLERANCE:
-            raise SystemExit(f"the reference computes another function than poecaps' RoutingCapsNet ({router}); "
-                             "its timing compares nothing")
+        require_same_function(difference, TOLERANCE, f"RoutingCapsNet ({router})", prefix=f"{router}: ")
         optimizer = keras.optimizers.Adam(3e-3)
         optimizer.build(ref.trainable_weights)
 
