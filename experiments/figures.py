@@ -9,26 +9,44 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
-def _show(ax, image):
-    image = np.clip(image, 0.0, 1.0)
-    ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray", vmin=0, vmax=1)
-    ax.set_xticks([])
-    ax.set_yticks([])
+def mosaic(images, gap=2, fill=1.0):
+    """Tile `images [rows, cols, H, W, C]` into one `[rows (H + gap) - gap, cols (W + gap) - gap, C]` array.
+
+    Cell `(r, c)` starts at row `r (H + gap)` and column `c (W + gap)`;
+    the gaps between cells hold `fill`. Values are clipped to [0, 1].
+    """
+    images = np.clip(np.asarray(images, dtype="float32"), 0.0, 1.0)
+    if images.ndim != 5:
+        raise ValueError(f"images must be [rows, cols, H, W, C]; got shape {images.shape}.")
+    rows, cols, height, width, channels = images.shape
+    tiled = np.full((rows * (height + gap) - gap, cols * (width + gap) - gap, channels), fill, dtype="float32")
+    for r in range(rows):
+        for c in range(cols):
+            top, left = r * (height + gap), c * (width + gap)
+            tiled[top:top + height, left:left + width] = images[r, c]
+    return tiled
 
 
 def image_grid(images, path, title=None, column_labels=None, row_labels=None):
-    """Save `images [rows, cols, H, W, C]` as one grid PNG."""
-    rows, cols = images.shape[:2]
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 0.8, rows * 0.8 + 0.4), squeeze=False)
-    for r in range(rows):
-        for c in range(cols):
-            _show(axes[r, c], images[r, c])
-            if r == 0 and column_labels is not None:
-                axes[r, c].set_title(str(column_labels[c]), fontsize=6)
-            if c == 0 and row_labels is not None:
-                axes[r, c].set_ylabel(str(row_labels[r]), fontsize=6)
+    """Save `images [rows, cols, H, W, C]` as one grid PNG (one image drawn: `mosaic`, then labels)."""
+    rows, cols, height, width = np.shape(images)[:4]
+    gap = 2
+    tiled = mosaic(images, gap)
+    fig, ax = plt.subplots(figsize=(cols * 0.8, rows * 0.8 + 0.4))
+    ax.imshow(tiled[..., 0] if tiled.shape[-1] == 1 else tiled, cmap="gray", vmin=0, vmax=1,
+              interpolation="nearest")
+    ax.set_xticks([c * (width + gap) + (width - 1) / 2 for c in range(cols)] if column_labels is not None else [])
+    ax.set_yticks([r * (height + gap) + (height - 1) / 2 for r in range(rows)] if row_labels is not None else [])
+    if column_labels is not None:
+        ax.set_xticklabels([str(label) for label in column_labels], fontsize=6)
+        ax.xaxis.tick_top()
+    if row_labels is not None:
+        ax.set_yticklabels([str(label) for label in row_labels], fontsize=6)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
     if title:
-        fig.suptitle(title, fontsize=9)
+        ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

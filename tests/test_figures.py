@@ -1,0 +1,40 @@
+"""Figures: the image grid's mosaic against a hand-placed case, and the PNG it writes."""
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from poecaps.experiments import figures
+
+
+def test_mosaic_places_each_cell_after_the_cells_and_gaps_before_it():
+    images = np.zeros((2, 3, 2, 2, 1), dtype="float32")
+    for r in range(2):
+        for c in range(3):
+            images[r, c] = 0.1 * (3 * r + c)       # cell (r, c) is filled with 0.1 (3 r + c)
+    images[1, 2, 0, 0, 0] = 7.0                    # clipped to 1
+    tiled = figures.mosaic(images, gap=1, fill=0.5)
+    assert tiled.shape == (2 * 3 - 1, 3 * 3 - 1, 1)
+    expected = np.full((5, 8), 0.5, dtype="float32")
+    for r in range(2):
+        for c in range(3):
+            expected[3 * r:3 * r + 2, 3 * c:3 * c + 2] = 0.1 * (3 * r + c)
+    expected[3, 6] = 1.0
+    np.testing.assert_array_equal(tiled[..., 0], expected)
+
+
+def test_mosaic_keeps_colour_channels_and_refuses_other_shapes():
+    images = np.random.default_rng(0).uniform(size=(1, 2, 3, 4, 3))
+    tiled = figures.mosaic(images, gap=2)
+    np.testing.assert_allclose(tiled[:, 6:], images[0, 1], rtol=1e-6)
+    np.testing.assert_array_equal(tiled[:, 4:6], 1.0)
+    with pytest.raises(ValueError, match=r"\[rows, cols, H, W, C\]"):
+        figures.mosaic(images[0])
+
+
+def test_image_grid_writes_a_png_of_its_figure_size(tmp_path):
+    images = np.random.default_rng(0).uniform(size=(3, 5, 28, 28, 1))
+    path = tmp_path / "grid.png"
+    figures.image_grid(images, path, title="t", column_labels=range(5), row_labels=["a", "b", "c"])
+    written = matplotlib.image.imread(path)
+    assert written.shape[:2] == (round((3 * 0.8 + 0.4) * 100), 5 * 0.8 * 100)     # figsize x dpi 100
