@@ -228,15 +228,25 @@ def _check_groups(run, result):
         == clusters["size"]
 
 
+def _baseline(mnist_dir, run, preset, *extra):
+    """Train a baseline on 64 digits and evaluate on 64; its printed result."""
+    out = _run("baseline.py", "--preset", preset, "--dataset", "mnist", "--data-dir", mnist_dir, "--run-dir", run,
+               "--seed", "1", "--limit", "64", "--set", "batch_size=32", "--test-limit", "64", *extra)
+    return json.loads(out[out.index("{\n"):])
+
+
+def _evaluated_again(run, result, *extra):
+    """`--evaluate-only` on the saved network; its result, checked to repeat `result`'s figures."""
+    again = json.loads(_run("baseline.py", "--run-dir", run, "--evaluate-only", "--test-limit", "64", *extra))
+    assert (again["test_accuracy"], again["affine_accuracy"]) == (result["test_accuracy"], result["affine_accuracy"])
+    return again
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["sabour2017", "hinton2018-small"])
-def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, preset):
-    run = str(tmp_path / preset)
-    common = ["--preset", preset, "--dataset", "mnist", "--data-dir", mnist_dir, "--run-dir", run,
-              "--seed", "1", "--limit", "64", "--set", "batch_size=32"]
-    _run("baseline.py", *common, "--epochs", "1", "--test-limit", "64")
-    out = _run("baseline.py", *common, "--epochs", "2", "--resume", "--test-limit", "64")
-    result = json.loads(out[out.index("{\n"):])
+def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir):
+    run = str(tmp_path / "sabour2017")
+    _baseline(mnist_dir, run, "sabour2017", "--epochs", "1")
+    result = _baseline(mnist_dir, run, "sabour2017", "--epochs", "2", "--resume")
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle)["test_accuracy"] == result["test_accuracy"]
     assert result["train"]["epochs_this_call"] == 1          # the first epoch was not redone
@@ -251,16 +261,27 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, preset):
     assert sorted(os.listdir(os.path.join(run, "logs"))) == ["test", "train"]      # TensorBoard's runs too
     with open(os.path.join(run, "config.json")) as handle:
         record = json.load(handle)
-    assert record["preset"] == preset and record["overrides"]["epochs"] == 2
-    expected = {"sabour2017": "perturbations_0.png", "hinton2018-small": "affine_examples.png"}[preset]
-    assert os.path.exists(os.path.join(run, expected))
+    assert record["preset"] == "sabour2017" and record["overrides"]["epochs"] == 2
+    assert os.path.exists(os.path.join(run, "perturbations_0.png"))
     # evaluating alone gives the same figures; a layer-wise run is refused by name
     # (the affine test set is seed 0's, not the training seed's, so evaluating again repeats it)
-    again = json.loads(_run("baseline.py", "--run-dir", run, "--evaluate-only", "--test-limit", "64"))
+    again = _evaluated_again(run, result)
     assert result["evaluation"]["seed"] == again["evaluation"]["seed"] == 0
-    assert (again["test_accuracy"], again["affine_accuracy"]) == (result["test_accuracy"], result["affine_accuracy"])
-    other = json.loads(_run("baseline.py", "--run-dir", run, "--evaluate-only", "--seed", "5", "--test-limit", "64"))
-    assert (other["evaluation"]["seed"], other["test_accuracy"]) == (5, result["test_accuracy"])
+    other = _evaluated_again(run, result, "--seed", "5")
+    assert other["evaluation"]["seed"] == 5
     _, err = _run("evaluate.py", "--run-dir", run, stderr=True, code=2)
     assert "holds a baseline run; this needs a layerwise run" in err
     _check_environment(run, ["train", "evaluate", "train", "evaluate", "evaluate", "evaluate"], ["baseline.py"] * 6)
+
+
+@pytest.mark.slow
+def test_em_baseline_trains_under_xla_and_evaluates_again_from_its_saved_network(tmp_path, mnist_dir):
+    """The EM preset through the same script (resuming is the sabour2017 test's: the code is shared)."""
+    run = str(tmp_path / "hinton2018-small")
+    result = _baseline(mnist_dir, run, "hinton2018-small", "--epochs", "1")
+    assert (result["routing_iterations"], result["train"]["epochs_this_call"]) == (3, 1)
+    with open(os.path.join(run, "config.json")) as handle:
+        assert json.load(handle)["settings"]["jit_compile"] == "auto"      # XLA, as a user's EM run trains
+    assert os.path.exists(os.path.join(run, "affine_examples.png"))
+    _evaluated_again(run, result)
+    _check_environment(run, ["train", "evaluate", "evaluate"], ["baseline.py"] * 3)
