@@ -141,6 +141,8 @@ def test_config_round_trip_and_save_reload(tmp_path, rng):
     clone = GenerativeCapsules.from_config(layer.get_config())
     assert clone.get_config() == layer.get_config()
     model = keras.Sequential([keras.Input((9, 6)), layer])
+    # the symbolic call's shapes (compute_output_spec, no EM traced) are the eager call's
+    assert [tuple(t.shape) for t in model.outputs] == [(None, *a.shape[1:]) for a in before]
     path = os.path.join(tmp_path, "generative.keras")
     save_component(model, path)
     again = load_component(path)

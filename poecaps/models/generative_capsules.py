@@ -215,6 +215,15 @@ class GenerativeCapsules(keras.layers.Layer):
     def call(self, children, activations=None):
         return self.infer(children, activations)
 
+    def compute_output_spec(self, children, activations=None):
+        """The shapes of `call`'s `RoutingResult`, without tracing EM's unrolled iterations."""
+        b, i = children.shape[:2]
+        if children.shape[-1] != self.child_dim:
+            raise ValueError(f"children must be [batch, children, {self.child_dim}]. Received: shape={children.shape}")
+        return RoutingResult(keras.KerasTensor((b, self.num_parents, self.parent_dim), dtype=children.dtype),
+                             keras.KerasTensor((b, self.num_parents), dtype=children.dtype),
+                             keras.KerasTensor((b, i, self.num_parents), dtype=children.dtype))
+
     # --- generation --------------------------------------------------------------------------
 
     def generate(self, v, seed):
