@@ -26,7 +26,7 @@ TOY = {
     "cd_step.py": ["--batch", "8", "--repeats", "1"],
     "em_step.py": ["--batch", "2", "--size", "small", "--repeats", "1"],
     "inference_step.py": ["--batch", "4", "--steps", "20"],
-    "learned_step.py": ["--batch", "8", "--repeats", "1"],
+    "learned_step.py": ["--batch", "2", "--repeats", "1"],
 }
 
 
