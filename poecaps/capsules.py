@@ -9,11 +9,6 @@ from keras import ops
 EPSILON = 1e-7
 
 
-def safe_norm(x, axis=-1, keepdims=False, epsilon=EPSILON):
-    """Euclidean norm `sqrt(|x|^2 + eps)`: finite gradient at zero."""
-    return ops.sqrt(ops.sum(ops.square(x), axis=axis, keepdims=keepdims) + epsilon)
-
-
 def norm(x, axis=-1, keepdims=False):
     """Euclidean norm `|x|`, exact, with the gradient 0 at `x = 0` (where sqrt's is infinite)."""
     return root(ops.sum(ops.square(x), axis=axis, keepdims=keepdims))

@@ -3,7 +3,7 @@ import pytest
 from keras import ops
 
 from poecaps import energy
-from poecaps.capsules import capsules_to_code, primary_capsules, safe_norm, squash, unsquash
+from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash
 
 
 def np_squash(z):
@@ -50,21 +50,38 @@ def test_squash_and_unsquash_of_zero_are_zero_with_zero_gradient():
     np.testing.assert_array_equal(ops.convert_to_numpy(unsquash(np.zeros((2, 4), "float32"))), 0.0)
 
 
+def test_norm_root_and_ratio_are_exact_with_zero_gradient_where_undefined():
+    import tensorflow as tf
+
+    from poecaps.capsules import norm, ratio, root
+
+    x = tf.constant([[3.0, 4.0], [0.0, 0.0]])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        n = norm(x)
+    np.testing.assert_array_equal(n.numpy(), [5.0, 0.0])                         # no epsilon in the value
+    np.testing.assert_allclose(tape.gradient(n, x).numpy(), [[0.6, 0.8], [0.0, 0.0]], rtol=1e-7)  # x / |x|, then 0
+    sq = tf.constant([4.0, 0.0])
+    with tf.GradientTape() as tape:
+        tape.watch(sq)
+        r = root(sq)
+    np.testing.assert_array_equal(r.numpy(), [2.0, 0.0])
+    np.testing.assert_array_equal(tape.gradient(r, sq).numpy(), [0.25, 0.0])       # 1 / (2 sqrt(4)), then 0
+    num, den = tf.constant([3.0, 5.0]), tf.constant([2.0, 0.0])
+    with tf.GradientTape() as tape:
+        tape.watch([num, den])
+        q = ratio(num, den)
+    np.testing.assert_array_equal(q.numpy(), [1.5, 0.0])
+    grad_num, grad_den = tape.gradient(q, [num, den])
+    np.testing.assert_array_equal(grad_num.numpy(), [0.5, 0.0])                   # 1 / den, then 0
+    np.testing.assert_array_equal(grad_den.numpy(), [-0.75, 0.0])                 # -num / den^2, then 0
+
+
 def test_unsquash_clips_lengths_at_or_above_one():
     x = np.array([[1.0, 0.0], [3.0, 4.0]], dtype="float32")
     out = ops.convert_to_numpy(unsquash(x))
     assert np.all(np.isfinite(out))
     np.testing.assert_allclose(out[1] / np.linalg.norm(out[1]), [0.6, 0.8], rtol=1e-5)
-
-
-def test_safe_norm_has_finite_gradient_at_zero():
-    import tensorflow as tf
-
-    z = tf.zeros((2, 4))
-    with tf.GradientTape() as tape:
-        tape.watch(z)
-        n = tf.reduce_sum(safe_norm(z))
-    assert np.all(np.isfinite(tape.gradient(n, z).numpy()))
 
 
 def test_p_on_equals_length_of_squashed_capsule(rng):
