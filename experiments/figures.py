@@ -17,7 +17,7 @@ def mosaic(images, gap=2, fill=1.0):
     """
     images = np.clip(np.asarray(images, dtype="float32"), 0.0, 1.0)
     if images.ndim != 5:
-        raise ValueError(f"images must be [rows, cols, H, W, C]; got shape {images.shape}.")
+        raise ValueError(f"images must be [rows, cols, H, W, C]. Received: shape={images.shape}")
     rows, cols, height, width, channels = images.shape
     tiled = np.full((rows * (height + gap) - gap, cols * (width + gap) - gap, channels), fill, dtype="float32")
     for r in range(rows):
@@ -29,9 +29,9 @@ def mosaic(images, gap=2, fill=1.0):
 
 def image_grid(images, path, title=None, column_labels=None, row_labels=None):
     """Save `images [rows, cols, H, W, C]` as one grid PNG (one image drawn: `mosaic`, then labels)."""
-    rows, cols, height, width = np.shape(images)[:4]
     gap = 2
     tiled = mosaic(images, gap)
+    rows, cols, height, width = np.shape(images)[:4]
     fig, ax = plt.subplots(figsize=(cols * 0.8, rows * 0.8 + 0.4))
     ax.imshow(tiled[..., 0] if tiled.shape[-1] == 1 else tiled, cmap="gray", vmin=0, vmax=1,
               interpolation="nearest")

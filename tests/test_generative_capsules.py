@@ -174,6 +174,8 @@ def test_inference_builds_the_layer_and_wrong_children_are_refused(rng):
     assert layer.infer(children).coefficients.shape == (2, 24, 3) and layer.maps.shape[0] == 24
     with pytest.raises(ValueError, match="built for 24 children"):
         layer.infer(children[:, :23])
+    with pytest.raises(ValueError, match="built for 24 children"):        # a symbolic call too
+        layer(keras.Input((23, 4)))
     with pytest.raises(ValueError, match=r"children must be \[batch, children, 4\]"):
         layer.posterior(tf.zeros((2, 24, 5)), tf.zeros((2, 3, 4)))
 

@@ -105,14 +105,16 @@ class GenerativeCapsules(keras.layers.Layer):
     def _children(self, children):
         """`children` as a tensor `[B, I, D_c]`; the layer is built for them on first use (`I` fixes `G_ij`)."""
         children = tf.convert_to_tensor(children)
-        if children.shape.rank != 3 or children.shape[-1] != self.child_dim:
-            raise ValueError(f"children must be [batch, children, {self.child_dim}]. Received: shape={children.shape}")
+        self._check_children_shape(children.shape)
         if not self.built:
             self.build(children.shape)
-        elif children.shape[1] is not None and children.shape[1] != self.maps.shape[0]:
-            raise ValueError(f"this layer was built for {self.maps.shape[0]} children. "
-                             f"Received: shape={children.shape}")
         return children
+
+    def _check_children_shape(self, shape):
+        if len(shape) != 3 or shape[-1] != self.child_dim:
+            raise ValueError(f"children must be [batch, children, {self.child_dim}]. Received: shape={shape}")
+        if self.built and shape[1] is not None and shape[1] != self.maps.shape[0]:
+            raise ValueError(f"this layer was built for {self.maps.shape[0]} children. Received: shape={shape}")
 
     def _require_built(self):
         if not self.built:
@@ -217,9 +219,8 @@ class GenerativeCapsules(keras.layers.Layer):
 
     def compute_output_spec(self, children, activations=None):
         """The shapes of `call`'s `RoutingResult`, without tracing EM's unrolled iterations."""
+        self._check_children_shape(children.shape)
         b, i = children.shape[:2]
-        if children.shape[-1] != self.child_dim:
-            raise ValueError(f"children must be [batch, children, {self.child_dim}]. Received: shape={children.shape}")
         return RoutingResult(keras.KerasTensor((b, self.num_parents, self.parent_dim), dtype=children.dtype),
                              keras.KerasTensor((b, self.num_parents), dtype=children.dtype),
                              keras.KerasTensor((b, i, self.num_parents), dtype=children.dtype))
