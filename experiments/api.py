@@ -9,22 +9,38 @@
     figures = api.baseline("runs/capsnet", preset="sabour2017", epochs=2)   # trained, then eval.json
     results, table = api.compare_routing("runs/routing", epochs=1)          # the routing table
 
-Each function takes the run directory; settings are the preset's, changed
-by keyword (checked as `--set` checks them). The command lines call the
-same functions.
+    # the research programs: Smith et al.'s model, and Kiefer et al.'s two on a trained CapsNet run
+    table = api.probabilistic_capsules("runs/smith", data_dir="../shared/data/mnist-5k", epochs=100)
+    layer = api.generative_capsules("runs/capsnet", epochs=5)              # runs/capsnet/generative/
+    found = api.sparse_inference("runs/capsnet", l1=0.5)                    # runs/capsnet/inference/
+
+Each function takes the run directory; settings are the preset's (or the
+program's declared config's: `configs.ProbabilisticTrainConfig` and the
+others), changed by keyword and checked as `--set` checks them, before any
+work starts. The command lines call the same functions.
 """
 
+import dataclasses
 import time
 
 from poecaps.experiments import presets
+from poecaps.experiments import probabilistic_capsules as study
 from poecaps.experiments.baseline_evaluation import evaluate_baseline
 from poecaps.experiments.baselines import train_baseline
-from poecaps.experiments.configs import STAGES, BaselineEvaluationConfig
+from poecaps.experiments.capsnet_inference import infer_run
+from poecaps.experiments.configs import (
+    STAGES,
+    BaselineEvaluationConfig,
+    GenerativeConfig,
+    SparseInferenceConfig,
+    probabilistic_configs,
+)
 from poecaps.experiments.evaluation import evaluate_run
+from poecaps.experiments.generative_capsules import train_generative
 from poecaps.experiments.layerwise import train_layerwise
 from poecaps.experiments.routing_comparison import compare_routing as _compare_routing
 from poecaps.experiments.sampling import sample_run
-from poecaps.experiments.settings import with_values
+from poecaps.experiments.settings import SettingError, with_values
 
 
 def layerwise_config(preset="default", **settings):
@@ -90,3 +106,42 @@ def compare_routing(root, rows=None, test_limit=None, **settings):
     changed in every row's preset.
     """
     return _compare_routing(root, settings, rows, _evaluation(test_limit))
+
+
+def probabilistic_capsules(run_dir, resume=False, evaluate_only=False, jit_compile=True, **settings):
+    """Smith et al.'s model and its VAE, as `scripts/probabilistic_capsules.py`; returns the run's `eval.json`.
+
+    Trains both models into `run_dir` (`resume` goes on; `data_dir`, a
+    folder of MNIST IDX files, is required), then refines at test time,
+    probes and draws. `settings` are fields of `ProbabilisticTrainConfig`
+    and `ProbabilisticEvaluationConfig` (`seed` sets both); with
+    `evaluate_only` the trained run is only evaluated and a training
+    setting is refused. `jit_compile`: XLA for the training steps.
+    """
+    if evaluate_only and resume:
+        raise SettingError("evaluate_only evaluates the run as it was trained; it takes no resume.")
+    train, evaluation = probabilistic_configs(settings, evaluate_only)
+    if not evaluate_only:
+        study.train_run(run_dir, resume=resume, jit_compile=jit_compile, **dataclasses.asdict(train))
+    return study.evaluate_run(run_dir, **dataclasses.asdict(evaluation))
+
+
+def generative_capsules(capsnet_run_dir, **settings):
+    """A generative capsule layer on a CapsNet run's primary capsules, as `scripts/generative_capsules.py`.
+
+    `settings` are fields of `GenerativeConfig`. Writes
+    `capsnet_run_dir/generative/` and returns its `generative.json`.
+    """
+    return train_generative(capsnet_run_dir, **dataclasses.asdict(with_values(GenerativeConfig(), settings)))
+
+
+def sparse_inference(capsnet_run_dir, **settings):
+    """Sparse iterative inference on a CapsNet run without routing, as `scripts/sparse_inference.py`.
+
+    `settings` are fields of `SparseInferenceConfig` (`l1=None`, the
+    default, or `"auto"` chooses the weight on training digits). Writes
+    `capsnet_run_dir/inference/` and returns its `inference.json`.
+    """
+    if settings.get("l1") == "auto":
+        settings = {**settings, "l1": None}
+    return infer_run(capsnet_run_dir, **dataclasses.asdict(with_values(SparseInferenceConfig(), settings)))

@@ -26,6 +26,7 @@ import numpy as np
 from poecaps import inference
 from poecaps.errors import InputError
 from poecaps.experiments import figures
+from poecaps.experiments.configs import SparseInferenceConfig
 from poecaps.experiments.runs import load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
 from poecaps.metrics import hoyer_sparsity
@@ -93,14 +94,18 @@ def calibrate_l1(model, images, labels, grid=L1_GRID, batch_size=250, **settings
 def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1="auto", batch_size=250, shown=4):
     """Run the four inferences on the first `examples` test digits; write and return `inference.json`.
 
-    `l1` is the L1 weight, or `"auto"` to choose it by `calibrate_l1` on
-    `examples` training digits first.
+    `l1` is the L1 weight, or `"auto"` (or None) to choose it by
+    `calibrate_l1` on `examples` training digits first. The settings are
+    checked (`configs.SparseInferenceConfig`) before the run is read.
     """
+    l1 = None if l1 == "auto" else l1
+    SparseInferenceConfig(examples=examples, steps=steps, learning_rate=learning_rate, l1=l1, batch_size=batch_size,
+                          shown=shown)
     run, config, model = load_capsnet(run_dir)
     run.record_environment("sparse inference")
     settings = {"steps": steps, "learning_rate": learning_rate}
     calibration, calibration_seconds = None, 0.0
-    if l1 == "auto":
+    if l1 is None:
         start = time.perf_counter()
         train_images, train_labels, _ = load_images(config, "train")
         l1, calibration = calibrate_l1(model, *even_spread(train_images, train_labels, examples),

@@ -74,19 +74,21 @@ def config_from_args(kind, args, shortcuts=()):
                     "overrides": {name: getattr(config, name) for name in values}}
 
 
-def add_config_flags(p, config_cls):
-    """A flag `--name VALUE` for every field of `config_cls`, read through its declaration."""
+def add_config_flags(p, config_cls, names=None):
+    """A flag `--name VALUE` for every field of `config_cls` (or those in `names`), read through its declaration."""
     defaults = config_cls()
     for name, spec in specs(config_cls).items():
+        if names is not None and name not in names:
+            continue
         default = getattr(defaults, name)
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
                        help=spec.help + ("" if default is None else f" (default: {default})"))
 
 
-def config_from_flags(config_cls, args):
-    """A config from flags named after its fields (None: the field's default)."""
-    values = {name: getattr(args, name) for name in specs(config_cls) if getattr(args, name, None) is not None}
-    return with_values(config_cls(), values)
+def config_from_flags(config_cls, args, **values):
+    """A config from flags named after its fields (None: the field's default), then `values`, each checked."""
+    given = {name: getattr(args, name) for name in specs(config_cls) if getattr(args, name, None) is not None}
+    return with_values(config_cls(), {**given, **values})
 
 
 def run_main(main, argv=None):

@@ -4,11 +4,21 @@ Installed, each is a console script (`poecaps-train-layerwise`, ...); from a
 checkout, `python scripts/<name>.py` runs the same function.
 """
 
+import dataclasses
 import json
 import os
 
 from poecaps.experiments import cli, presets
-from poecaps.experiments.configs import STAGES, EvaluationConfig, SampleConfig
+from poecaps.experiments.configs import (
+    STAGES,
+    EvaluationConfig,
+    GenerativeConfig,
+    ProbabilisticEvaluationConfig,
+    ProbabilisticTrainConfig,
+    SampleConfig,
+    SparseInferenceConfig,
+    probabilistic_configs,
+)
 
 
 def _train_layerwise(argv=None):
@@ -133,8 +143,7 @@ def _sparse_inference(argv=None):
     p = cli.parser("Sparse iterative inference on a trained CapsNet run without routing (Kiefer et al., appendix "
                    "C): primary and class capsules free, L1 on or off, label clamped or not; writes "
                    "RUN/inference/inference.json, lengths.png and energy.png.", run_dir_default=None)
-    p.add_argument("--examples", type=int, default=1000, help="test digits (an even spread of the test split)")
-    p.add_argument("--steps", type=int, default=500, help="inference steps")
+    cli.add_config_flags(p, SparseInferenceConfig, ("examples", "steps"))
     p.add_argument("--l1", default="auto", help="L1 weight on the class-capsule lengths, or 'auto': the largest "
                    "of 1, 0.7, 0.5, 0.3, 0.2, 0.1 that costs no accuracy on training digits")
     p.add_argument("--seed", default=None, metavar="VALUE",
@@ -142,81 +151,53 @@ def _sparse_inference(argv=None):
     args = p.parse_args(argv)
     if not args.run_dir:
         p.error("--run-dir (a CapsNet baseline run) is required")
-    for name in ("examples", "steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1. Received: {getattr(args, name)}")
-    if args.l1 != "auto":
-        try:
-            args.l1 = float(args.l1)
-        except ValueError:
-            p.error(f"--l1 must be 'auto' or a number >= 0. Received: {args.l1}")
-        if not args.l1 >= 0:
-            p.error(f"--l1 must be 'auto' or a number >= 0. Received: {args.l1}")
-    from poecaps.experiments.capsnet_inference import infer_run  # TensorFlow: after --help
+    config = cli.config_from_flags(SparseInferenceConfig, args, l1=None if args.l1 == "auto" else args.l1)
+    from poecaps.experiments.api import sparse_inference  # TensorFlow: after --help
 
-    print(json.dumps(infer_run(args.run_dir, args.examples, args.steps, l1=args.l1), indent=2))
+    print(json.dumps(sparse_inference(args.run_dir, **dataclasses.asdict(config)), indent=2))
 
 
 def _generative_capsules(argv=None):
     p = cli.parser("Learn a generative capsule layer (Kiefer et al., section 4) on the frozen primary capsules of a "
                    "trained CapsNet run; writes RUN/generative/generative.json and samples.png.", run_dir_default=None)
-    p.add_argument("--parents", type=int, default=10, help="parent capsules J")
-    p.add_argument("--parent-dim", type=int, default=16, help="pose size of a parent")
-    p.add_argument("--epochs", type=int, default=2, help="epochs of generalised EM")
-    p.add_argument("--seed", type=int, default=0, help="seeds the initial G, the batch order and the samples")
+    cli.add_config_flags(p, GenerativeConfig, ("parents", "parent_dim", "epochs", "seed"))
     args = p.parse_args(argv)
     if not args.run_dir:
         p.error("--run-dir (a CapsNet baseline run) is required")
-    for name in ("parents", "parent_dim", "epochs"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
-    if args.seed < 0:
-        p.error(f"--seed must be >= 0. Received: {args.seed}")
-    from poecaps.experiments.generative_capsules import train_generative  # TensorFlow: after --help
+    config = cli.config_from_flags(GenerativeConfig, args)
+    from poecaps.experiments.api import generative_capsules  # TensorFlow: after --help
 
-    print(json.dumps(train_generative(args.run_dir, args.parents, args.parent_dim, args.epochs, seed=args.seed),
-                     indent=2))
+    print(json.dumps(generative_capsules(args.run_dir, **dataclasses.asdict(config)), indent=2))
+
+
+# The settings of `scripts/probabilistic_capsules.py` that are flags of their own (the help's dozen flags).
+PROBABILISTIC_FLAGS = ("data_dir", "epochs", "batch_size", "learning_rate", "canvas", "specialisation", "seed",
+                       "tto_steps")
 
 
 def _probabilistic_capsules(argv=None):
     p = cli.parser("Train the probabilistic capsule model (Smith et al.) and its VAE baseline on MNIST digits, then "
                    "refine at test time, probe and draw: RUN/train.json, RUN/eval.json and four figures.",
                    run_dir_default=os.path.join("runs", "probabilistic"))
-    p.add_argument("--data-dir", default=None, help="folder of MNIST IDX files (e.g. ../shared/data/mnist-5k)")
-    p.add_argument("--epochs", type=int, default=150, help="epochs of each model (default: 150)")
-    p.add_argument("--batch-size", type=int, default=64, help="batch size (default: 64)")
-    p.add_argument("--learning-rate", type=float, default=1e-3, help="Adam's learning rate (default: 0.001)")
-    p.add_argument("--canvas", type=int, default=40, help="digits are padded to this size (default: 40)")
-    p.add_argument("--tto-steps", type=int, default=200, help="test-time optimisation steps (default: 200)")
-    p.add_argument("--specialisation", type=float, default=0.0,
-                   help="weight of the top presences' information in training, nats per image (default: 0, the "
-                        "paper's bound alone)")
-    p.add_argument("--sparsity", type=float, nargs=2, default=(0.0, 0.0), metavar=("WITHIN", "BETWEEN"),
+    cli.add_config_flags(p, ProbabilisticTrainConfig, PROBABILISTIC_FLAGS)
+    cli.add_config_flags(p, ProbabilisticEvaluationConfig, ("tto_steps",))
+    p.add_argument("--sparsity", nargs=2, default=None, metavar=("WITHIN", "BETWEEN"),
                    help="weights of the top presences' prior sparsity within and between images in training "
                         "(default: 0 0, the paper's bound alone)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the weights, the batch order and the draws")
     p.add_argument("--resume", action="store_true", help="continue the training in --run-dir")
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size", "canvas"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1. Received: {getattr(args, name)}")
-    if args.tto_steps < 0 or args.seed < 0:
-        p.error(f"--tto-steps and --seed must be >= 0. Received: {args.tto_steps} and {args.seed}")
-    if not args.learning_rate > 0:
-        p.error(f"--learning-rate must be > 0. Received: {args.learning_rate}")
-    for name, value in (("--specialisation", args.specialisation), *(("--sparsity", v) for v in args.sparsity)):
-        if not 0.0 <= value < float("inf"):
-            p.error(f"{name} must be finite numbers >= 0. Received: {value}")
-    if not args.evaluate_only and not args.data_dir:
+    settings = {name: getattr(args, name) for name in PROBABILISTIC_FLAGS if getattr(args, name) is not None}
+    if args.sparsity is not None:
+        settings.update(zip(("within_sparsity", "between_sparsity"), args.sparsity))
+    train, evaluation = probabilistic_configs(settings, args.evaluate_only)       # checked before TensorFlow
+    if not args.evaluate_only and not train.data_dir:
         p.error("--data-dir (a folder of MNIST IDX files) is required to train")
-    from poecaps.experiments import probabilistic_capsules as study  # TensorFlow: after --help
+    from poecaps.experiments.api import probabilistic_capsules  # TensorFlow: after --help
 
-    if not args.evaluate_only:
-        study.train_run(args.run_dir, args.epochs, args.batch_size, args.learning_rate, args.canvas, args.data_dir,
-                        args.seed, args.resume, specialisation=args.specialisation,
-                        within_sparsity=args.sparsity[0], between_sparsity=args.sparsity[1])
-    print(json.dumps(study.evaluate_run(args.run_dir, tto_steps=args.tto_steps, seed=args.seed), indent=2))
+    checked = {name: getattr(train if hasattr(train, name) else evaluation, name) for name in settings}
+    print(json.dumps(probabilistic_capsules(args.run_dir, resume=args.resume, evaluate_only=args.evaluate_only,
+                                            **checked), indent=2))
 
 
 def train_layerwise(argv=None):

@@ -9,7 +9,14 @@ import dataclasses
 
 from poecaps.data import DATASETS
 from poecaps.distribute import PRECISIONS, STRATEGIES
-from poecaps.experiments.settings import SettingError, check_fields, setting
+from poecaps.experiments.settings import (
+    SettingError,
+    check_fields,
+    setting,
+    specs,
+    unknown_field_error,
+    with_values,
+)
 from poecaps.trainers import NAN_POLICIES
 
 # Layer-wise stages, in training order (`scripts/train_layerwise.py --stage`).
@@ -215,6 +222,98 @@ class BaselineEvaluationConfig:
 
     def __post_init__(self):
         check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbabilisticTrainConfig:
+    """Settings of Smith et al.'s model and its VAE baseline, trained alike (`probabilistic_capsules.train_run`)."""
+
+    data_dir: str | None = setting(None, "folder of MNIST IDX files (e.g. ../shared/data/mnist-5k); required to "
+                                   "train", kind=str)
+    epochs: int = setting(150, "epochs of each model", minimum=1)
+    batch_size: int = setting(64, "batch size", minimum=1)
+    learning_rate: float = setting(1e-3, "Adam's learning rate", above=0.0)
+    canvas: int = setting(40, "digits are padded to this size", minimum=1)
+    seed: int = setting(0, "seeds the weights, the batch order and the draws", minimum=0)
+    specialisation: float = setting(0.0, "weight of the top presences' information in training, nats per image; "
+                                    "0 is the paper's bound alone", minimum=0.0)
+    within_sparsity: float = setting(0.0, "weight of the top presences' prior sparsity within images (0: off)",
+                                     minimum=0.0)
+    between_sparsity: float = setting(0.0, "weight of the top presences' prior sparsity between images (0: off)",
+                                      minimum=0.0)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbabilisticEvaluationConfig:
+    """Settings of a probabilistic capsule run's evaluation (`probabilistic_capsules.evaluate_run`)."""
+
+    seed: int = setting(0, "seeds the affine stand-in, the draws of test-time optimisation and the samples",
+                        minimum=0)
+    tto_images: int = setting(200, "test digits refined at test time (an even spread of the split)", minimum=1)
+    tto_steps: int = setting(200, "test-time optimisation steps", minimum=0)
+    tto_learning_rate: float = setting(0.01, "Adam's learning rate of test-time optimisation", above=0.0)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerativeConfig:
+    """Settings of a generative capsule layer learned on a CapsNet run (`generative_capsules.train_generative`)."""
+
+    parents: int = setting(10, "parent capsules J", minimum=1)
+    parent_dim: int = setting(16, "pose size of a parent", minimum=1)
+    epochs: int = setting(2, "epochs of generalised EM", minimum=1)
+    batch_size: int = setting(32, "children's images per EM step", minimum=1)
+    learning_rate: float = setting(3e-3, "Adam's learning rate", above=0.0)
+    iterations: int = setting(10, "EM iterations of every inference", minimum=1)
+    heldout: int = setting(200, "test images whose bound is followed over training", minimum=1)
+    probe_train: int = setting(1000, "training images of the linear probes and of the figure's decoder", minimum=1)
+    seed: int = setting(0, "seeds the initial G, the batch order and the samples", minimum=0)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseInferenceConfig:
+    """Settings of sparse iterative inference on a CapsNet run (`capsnet_inference.infer_run`)."""
+
+    examples: int = setting(1000, "test digits (an even spread of the test split)", minimum=1)
+    steps: int = setting(500, "inference steps", minimum=1)
+    learning_rate: float = setting(0.01, "step size of the descent", above=0.0)
+    l1: float | None = setting(None, "L1 weight on the class-capsule lengths (none: chosen on training digits, "
+                               "the largest of 1, 0.7, 0.5, 0.3, 0.2, 0.1 that costs them no accuracy)", kind=float,
+                               minimum=0.0)
+    batch_size: int = setting(250, "digits per inference", minimum=1)
+    shown: int = setting(4, "digits drawn in lengths.png", minimum=1)
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+def probabilistic_configs(values, evaluate_only=False):
+    """`(train, evaluation)`: a probabilistic capsule run's two configs with `values` set, each checked.
+
+    `values` is `{field: value or command-line text}` over the fields of
+    `ProbabilisticTrainConfig` and `ProbabilisticEvaluationConfig`; `seed`
+    sets both. With `evaluate_only` the run is evaluated as it was trained,
+    so a training setting is refused.
+    """
+    train_fields, evaluation_fields = specs(ProbabilisticTrainConfig), specs(ProbabilisticEvaluationConfig)
+    for name in values:
+        if name not in train_fields and name not in evaluation_fields:
+            raise unknown_field_error(ProbabilisticTrainConfig, name, ProbabilisticEvaluationConfig)
+    training_only = [name for name in values if name not in evaluation_fields]
+    if evaluate_only and training_only:
+        raise SettingError(f"evaluate_only evaluates the run as it was trained; it takes no "
+                           f"{', '.join(training_only)}.")
+    pick = lambda fields: {name: value for name, value in values.items() if name in fields}
+    return (with_values(ProbabilisticTrainConfig(), pick(train_fields)),
+            with_values(ProbabilisticEvaluationConfig(), pick(evaluation_fields)))
 
 
 # Run kinds and their configs, as `config.json` names them.

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from poecaps import metrics
 from poecaps.experiments import figures
+from poecaps.experiments.configs import GenerativeConfig
 from poecaps.experiments.runs import load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
 from poecaps.models import GenerativeCapsules
@@ -93,7 +94,11 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
     Every inference (training steps, held-out bound, probes) runs `iterations` EM iterations. The bound
     is followed on `heldout` test images; the linear probes train on `probe_train` training images and
     test on the whole test split; the decoder of the figure learns on the same `probe_train` images.
+    The settings are checked (`configs.GenerativeConfig`) before the run is read.
     """
+    GenerativeConfig(parents=parents, parent_dim=parent_dim, epochs=epochs, batch_size=batch_size,
+                     learning_rate=learning_rate, iterations=iterations, heldout=heldout, probe_train=probe_train,
+                     seed=seed)
     run, config, model = load_capsnet(run_dir)
     run.record_environment("generative layer")
     keras.utils.set_random_seed(seed)

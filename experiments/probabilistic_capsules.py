@@ -27,6 +27,7 @@ training image, minutes.
   `samples.png` (images drawn from the model).
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -39,6 +40,7 @@ from poecaps import data as data_lib
 from poecaps import metrics, transforms
 from poecaps.errors import InputError
 from poecaps.experiments import figures
+from poecaps.experiments.configs import ProbabilisticEvaluationConfig, ProbabilisticTrainConfig
 from poecaps.experiments.runs import RunDir, spread_indices
 from poecaps.models import (
     ProbabilisticCapsuleAutoencoder,
@@ -148,13 +150,17 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
 
     `jit_compile`: compile the training steps with XLA (several times faster per step on a CPU, slower to
     compile; False suits a few steps).
+
+    Every setting is checked (`configs.ProbabilisticTrainConfig`) before anything is read or written.
     """
-    if data_dir is None:
+    config = ProbabilisticTrainConfig(data_dir=data_dir, epochs=epochs, batch_size=batch_size,
+                                      learning_rate=learning_rate, canvas=canvas, seed=seed,
+                                      specialisation=specialisation, within_sparsity=within_sparsity,
+                                      between_sparsity=between_sparsity)
+    if config.data_dir is None:
         raise InputError("data_dir is required: a folder of MNIST IDX files (e.g. ../shared/data/mnist-5k).")
     run = RunDir(run_dir)
-    settings = {"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate, "canvas": canvas,
-                "data_dir": os.path.abspath(data_dir), "seed": seed, "specialisation": float(specialisation),
-                "within_sparsity": float(within_sparsity), "between_sparsity": float(between_sparsity)}
+    settings = {**dataclasses.asdict(config), "data_dir": os.path.abspath(data_dir)}
     found = run.read_json("config.json")
     if found is not None and found.get("kind") != KIND:
         raise InputError(f"{run.path} holds a {found.get('kind') or 'unknown'} run; use another --run-dir.")
@@ -321,7 +327,12 @@ def _figures(run, capsules, x_test, rotated, rotated_parameters, seed):
 
 
 def evaluate_run(run_dir, tto_images=200, tto_steps=200, tto_learning_rate=0.01, seed=0):
-    """Test-time optimisation, the probe table and the figures of a trained run; write and return `RUN/eval.json`."""
+    """Test-time optimisation, the probe table and the figures of a trained run; write and return `RUN/eval.json`.
+
+    The settings are checked (`configs.ProbabilisticEvaluationConfig`) before the run is read.
+    """
+    ProbabilisticEvaluationConfig(tto_images=tto_images, tto_steps=tto_steps, tto_learning_rate=tto_learning_rate,
+                                  seed=seed)
     run, settings, capsules, vae = load_trained(run_dir)
     run.record_environment("evaluate")
     keras.utils.set_random_seed(seed)

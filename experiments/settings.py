@@ -147,11 +147,15 @@ def check_fields(config):
         object.__setattr__(config, name, spec.check(name, getattr(config, name)))
 
 
-def unknown_field_error(config_cls, name):
-    """A `SettingError` for a field `config_cls` does not have, naming the close matches."""
-    names = list(specs(config_cls))
+def unknown_field_error(config_cls, name, *more_classes):
+    """A `SettingError` for a field neither `config_cls` nor `more_classes` has, naming the close matches."""
+    classes = (config_cls, *more_classes)
+    names = list(dict.fromkeys(field for cls in classes for field in specs(cls)))
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(close)}?" if close else f" Known fields: {', '.join(names)}."
+    if more_classes:
+        owners = ", ".join(cls.__name__ for cls in classes[:-1])
+        return SettingError(f"Neither {owners} nor {classes[-1].__name__} has a setting {name!r}.{hint}")
     return SettingError(f"{config_cls.__name__} has no setting {name!r}.{hint}")
 
 

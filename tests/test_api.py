@@ -45,3 +45,62 @@ def test_compare_routing_passes_its_rows_settings_and_evaluation_on(tmp_path, mo
     root, settings, rows, evaluation = seen["args"]
     assert (root, settings, rows) == (str(tmp_path), {"epochs": 2}, ["faria2019-uniform"])
     assert (evaluation.test_limit, evaluation.seed) == (5, 0)
+
+
+def test_the_research_programs_check_their_settings_before_any_work(tmp_path):
+    from poecaps.experiments import api
+    from poecaps.experiments.settings import SettingError
+
+    run = tmp_path / "run"
+    refusals = [
+        (lambda: api.probabilistic_capsules(str(run), data_dir="d", epochs=0), "epochs must be an integer >= 1"),
+        (lambda: api.probabilistic_capsules(str(run), data_dir="d", tto_learning_rate=0.0),
+         "tto_learning_rate must be a number > 0"),
+        (lambda: api.probabilistic_capsules(str(run), data_dir="d", within_sparsity=float("inf")),
+         "within_sparsity must be a number >= 0"),
+        # a field of neither config, with the close one named
+        (lambda: api.probabilistic_capsules(str(run), data_dir="d", tto_step=3),
+         ("Neither ProbabilisticTrainConfig nor ProbabilisticEvaluationConfig has a setting 'tto_step'. Did you "
+          "mean tto_steps")),
+        # a trained run is evaluated as it was trained
+        (lambda: api.probabilistic_capsules(str(run), evaluate_only=True, canvas=28), "it takes no canvas"),
+        (lambda: api.probabilistic_capsules(str(run), evaluate_only=True, resume=True), "it takes no resume"),
+        (lambda: api.generative_capsules(str(run), parent_dim=0), "parent_dim must be an integer >= 1"),
+        (lambda: api.generative_capsules(str(run), parent=3), "Did you mean parents"),
+        (lambda: api.sparse_inference(str(run), l1=-0.5), "l1 must be a number >= 0"),
+        (lambda: api.sparse_inference(str(run), steps=2.5), "steps must be an integer >= 1"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(SettingError, match=message):
+            call()
+    assert not run.exists()                                   # refused before a directory was made
+    # the evaluation's own settings are accepted with evaluate_only (the missing run is then what is refused)
+    from poecaps.errors import InputError
+
+    with pytest.raises(InputError, match="No run directory"):
+        api.probabilistic_capsules(str(run), evaluate_only=True, seed=3, tto_steps=1)
+
+
+def test_the_research_functions_defaults_are_their_configs():
+    # Called directly, the experiment functions default to what the scripts and the API declare.
+    import dataclasses
+    import inspect
+
+    from poecaps.experiments import capsnet_inference, generative_capsules, probabilistic_capsules
+    from poecaps.experiments.configs import (
+        GenerativeConfig,
+        ProbabilisticEvaluationConfig,
+        ProbabilisticTrainConfig,
+        SparseInferenceConfig,
+    )
+
+    pairs = [(probabilistic_capsules.train_run, ProbabilisticTrainConfig),
+             (probabilistic_capsules.evaluate_run, ProbabilisticEvaluationConfig),
+             (generative_capsules.train_generative, GenerativeConfig),
+             (capsnet_inference.infer_run, SparseInferenceConfig)]
+    for function, config_cls in pairs:
+        parameters = inspect.signature(function).parameters
+        for field in dataclasses.fields(config_cls):
+            default = parameters[field.name].default
+            default = None if (field.name, default) == ("l1", "auto") else default     # "auto" is l1=None
+            assert default == field.default, (function.__name__, field.name)

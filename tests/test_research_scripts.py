@@ -48,23 +48,32 @@ def test_a_missing_run_or_one_without_a_capsnet_gets_one_line(script, tmp_path):
     assert "holds no trained CapsNet (model em)" in _one_error_line(_run(script, "--run-dir", str(em_run)))
 
 
-def test_generative_capsules_checks_its_sizes():
+def test_generative_capsules_and_sparse_inference_check_their_settings():
     for flag in ("--parents", "--parent-dim", "--epochs"):
         stderr = _one_error_line(_run("generative_capsules.py", "--run-dir", "r", flag, "0"))
-        assert f"{flag} must be >= 1" in stderr
+        assert f"{flag[2:].replace('-', '_')} must be an integer >= 1" in stderr
+    for flag, value, message in (("--examples", "0", "examples must be an integer >= 1"),
+                                 ("--steps", "x", "steps must be an integer >= 1"),
+                                 ("--l1", "-1", "l1 must be a number >= 0")):
+        assert message in _one_error_line(_run("sparse_inference.py", "--run-dir", "r", flag, value))
 
 
 def test_probabilistic_capsules_checks_its_flags_and_runs(tmp_path):
     script = "probabilistic_capsules.py"
     assert "--data-dir" in _one_error_line(_run(script, "--run-dir", str(tmp_path / "r")))
     for flag in ("--epochs", "--batch-size", "--canvas"):
-        assert f"{flag} must be >= 1" in _one_error_line(_run(script, "--data-dir", "d", flag, "0"))
-    assert "--learning-rate must be > 0" in _one_error_line(_run(script, "--data-dir", "d", "--learning-rate", "0"))
-    assert "--specialisation must be finite numbers >= 0" in _one_error_line(
+        assert f"{flag[2:].replace('-', '_')} must be an integer >= 1" in _one_error_line(
+            _run(script, "--data-dir", "d", flag, "0"))
+    assert "learning_rate must be a number > 0" in _one_error_line(
+        _run(script, "--data-dir", "d", "--learning-rate", "0"))
+    assert "tto_steps must be an integer >= 0" in _one_error_line(_run(script, "--data-dir", "d", "--tto-steps", "-1"))
+    assert "specialisation must be a number >= 0" in _one_error_line(
         _run(script, "--data-dir", "d", "--specialisation", "-1"))
-    for values in (("1", "-1"), ("nan", "0"), ("0", "nan"), ("0", "inf")):
-        assert "--sparsity must be finite numbers >= 0" in _one_error_line(
+    for values, name in ((("1", "-1"), "between"), (("nan", "0"), "within"), (("0", "nan"), "between"),
+                         (("0", "inf"), "between")):
+        assert f"{name}_sparsity must be a number >= 0" in _one_error_line(
             _run(script, "--data-dir", "d", "--sparsity", *values))
+    assert "it takes no epochs" in _one_error_line(_run(script, "--evaluate-only", "--epochs", "3"))
     assert "No run directory" in _one_error_line(_run(script, "--evaluate-only", "--run-dir", str(tmp_path / "no")))
     baseline = tmp_path / "baseline"                    # another kind of run
     shutil.copytree(os.path.join(ROOT, "docs", "results", "baselines", "hinton2018_small_mnist5k"), baseline)
@@ -99,17 +108,21 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
 
     from poecaps import metrics
     from poecaps.errors import InputError
+    from poecaps.experiments import api
     from poecaps.experiments import probabilistic_capsules as study
 
     digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "run")
     study.train_run(run, epochs=1, batch_size=8, canvas=28, data_dir=digits, jit_compile=False)
-    train = study.train_run(run, epochs=2, batch_size=8, canvas=28, data_dir=digits, resume=True, jit_compile=False)
+    # the Python API resumes to two epochs and evaluates, as the script does
+    found = api.probabilistic_capsules(run, resume=True, jit_compile=False, epochs=2, batch_size=8, canvas=28,
+                                       data_dir=digits, tto_steps=2)
+    with open(os.path.join(run, "train.json")) as handle:
+        train = json.load(handle)
     assert [e["epoch"] for e in train["curve"]] == [1, 2]          # epoch 1 from the first call, 2 from the resumed one
     assert "Already trained" not in capsys.readouterr().out
     with pytest.raises(InputError, match="other between_sparsity"):
         study.train_run(run, epochs=3, batch_size=8, canvas=28, data_dir=digits, resume=True, between_sparsity=1.0)
     assert train["settings"]["epochs"] == 2 and 0 < train["generative_parameters"] < 30000
-    found = study.evaluate_run(run, tto_steps=2)
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == json.loads(json.dumps(found))
     assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "t0_logits", "t0_logits_A0", "vae"}
@@ -196,7 +209,7 @@ def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, mo
 @pytest.mark.slow
 def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_path):
     # Both studies end to end on a CapsNet trained without routing, as their scripts' runs are, at toy sizes.
-    from poecaps.experiments import capsnet_inference, generative_capsules
+    from poecaps.experiments import api, capsnet_inference, generative_capsules
     from poecaps.experiments.baselines import train_baseline
     from poecaps.experiments.configs import BaselineConfig
     from poecaps.experiments.runs import load_images
@@ -209,7 +222,7 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     _, _, capsnet = load_capsnet(run)
     test, test_labels, _ = load_images(config, "test")
 
-    inference = capsnet_inference.infer_run(run, examples=8, steps=5, batch_size=8, shown=2)
+    inference = api.sparse_inference(run, examples=8, steps=5, batch_size=8, shown=2)   # as the script calls it
     assert inference["examples"] == 8 and inference["calibration"]["split"] == "train"
     assert inference["l1"] in capsnet_inference.L1_GRID
     # the feed-forward reading is the network's own
@@ -223,8 +236,8 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     for name in ("inference.json", "lengths.png", "energy.png"):
         assert os.path.getsize(os.path.join(run, "inference", name)) > 0
 
-    found = generative_capsules.train_generative(run, parents=4, parent_dim=4, epochs=2, batch_size=8,
-                                                 iterations=3, heldout=8, probe_train=16)
+    found = api.generative_capsules(run, parents=4, parent_dim=4, epochs=2, batch_size=8, iterations=3, heldout=8,
+                                    probe_train=16)
     assert [e["epoch"] for e in found["curve"]] == [0, 1, 2]
     assert set(found["probe_accuracy"]) == {"learned", "random_g"} and os.path.getsize(found["figure"]) > 0
     # the saved layer, reloaded, infers the recorded coefficient entropy (NumPy's) from the test digits' children
