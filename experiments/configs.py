@@ -34,14 +34,8 @@ MODEL_ROUTINGS = {"capsnet": ("dynamic",), "em": ("em",), "routingnet": ROUTINGS
 
 
 @dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """How a run is kept safe and where it runs; none of these changes the model."""
-
-    save_every: int = setting(200, "also checkpoint every this many steps (0: at epoch ends only)", minimum=0)
-    on_nan: str = setting("stop", "on a NaN: stop, reduce-lr (halve the learning rate and go on) or off",
-                          choices=NAN_POLICIES)
-    strategy: str = setting("default", "tf.distribute strategy", choices=STRATEGIES)
-    precision: str = setting("float32", "Keras dtype policy", choices=PRECISIONS)
+class Checked:
+    """A config whose fields are checked against their declarations when it is made, then by `check`."""
 
     def __post_init__(self):
         check_fields(self)
@@ -49,6 +43,17 @@ class RunOptions:
 
     def check(self):
         """Checks that involve more than one field (subclasses extend it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions(Checked):
+    """How a run is kept safe and where it runs; none of these changes the model."""
+
+    save_every: int = setting(200, "also checkpoint every this many steps (0: at epoch ends only)", minimum=0)
+    on_nan: str = setting("stop", "on a NaN: stop, reduce-lr (halve the learning rate and go on) or off",
+                          choices=NAN_POLICIES)
+    strategy: str = setting("default", "tf.distribute strategy", choices=STRATEGIES)
+    precision: str = setting("float32", "Keras dtype policy", choices=PRECISIONS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +188,7 @@ class BaselineConfig(DataOptions):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluationConfig:
+class EvaluationConfig(Checked):
     """Settings of `scripts/evaluate.py`."""
 
     seed: int = setting(0, "seeds the reference classifier and the samples", minimum=0)
@@ -193,12 +198,9 @@ class EvaluationConfig:
     diagnostics: bool = setting(False, "also the study's slow diagnostics: one-capsule decodings, the "
                                 "autoencoder alone, the pixel k-means reference")
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class SampleConfig:
+class SampleConfig(Checked):
     """Settings of `scripts/sample.py`."""
 
     seed: int = setting(0, "seed of the draws", minimum=0)
@@ -207,12 +209,9 @@ class SampleConfig:
                                  "winning (side its winning poses visit); default: the run's sample_domain",
                                  kind=str, choices=DOMAINS)
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class BaselineEvaluationConfig:
+class BaselineEvaluationConfig(Checked):
     """Settings of a baseline's evaluation."""
 
     seed: int = setting(0, "seeds the random affine transforms", minimum=0)
@@ -220,12 +219,9 @@ class BaselineEvaluationConfig:
     perturb_examples: int = setting(3, "test images for the Sabour Figure 4 perturbation plot", minimum=0)
     test_limit: int | None = setting(None, "evaluate on only this many test images", kind=int, minimum=1)
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class ProbabilisticTrainConfig:
+class ProbabilisticTrainConfig(Checked):
     """Settings of Smith et al.'s model and its VAE baseline, trained alike (`probabilistic_capsules.train_run`)."""
 
     data_dir: str | None = setting(None, "folder of MNIST IDX files (e.g. ../shared/data/mnist-5k); required to "
@@ -242,12 +238,9 @@ class ProbabilisticTrainConfig:
     between_sparsity: float = setting(0.0, "weight of the top presences' prior sparsity between images (0: off)",
                                       minimum=0.0)
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class ProbabilisticEvaluationConfig:
+class ProbabilisticEvaluationConfig(Checked):
     """Settings of a probabilistic capsule run's evaluation (`probabilistic_capsules.evaluate_run`)."""
 
     seed: int = setting(0, "seeds the affine stand-in, the draws of test-time optimisation and the samples",
@@ -256,12 +249,9 @@ class ProbabilisticEvaluationConfig:
     tto_steps: int = setting(200, "test-time optimisation steps", minimum=0)
     tto_learning_rate: float = setting(0.01, "Adam's learning rate of test-time optimisation", above=0.0)
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class GenerativeConfig:
+class GenerativeConfig(Checked):
     """Settings of a generative capsule layer learned on a CapsNet run (`generative_capsules.train_generative`)."""
 
     parents: int = setting(10, "parent capsules J", minimum=1)
@@ -274,12 +264,9 @@ class GenerativeConfig:
     probe_train: int = setting(1000, "training images of the linear probes and of the figure's decoder", minimum=1)
     seed: int = setting(0, "seeds the initial G, the batch order and the samples", minimum=0)
 
-    def __post_init__(self):
-        check_fields(self)
-
 
 @dataclasses.dataclass(frozen=True)
-class SparseInferenceConfig:
+class SparseInferenceConfig(Checked):
     """Settings of sparse iterative inference on a CapsNet run (`capsnet_inference.infer_run`)."""
 
     examples: int = setting(1000, "test digits (an even spread of the test split)", minimum=1)
@@ -290,9 +277,6 @@ class SparseInferenceConfig:
                                minimum=0.0)
     batch_size: int = setting(250, "digits per inference", minimum=1)
     shown: int = setting(4, "digits drawn in lengths.png", minimum=1)
-
-    def __post_init__(self):
-        check_fields(self)
 
 
 def probabilistic_configs(values, evaluate_only=False):
