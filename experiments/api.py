@@ -126,13 +126,15 @@ def probabilistic_capsules(run_dir, resume=False, evaluate_only=False, jit_compi
     return study.evaluate_run(run_dir, **dataclasses.asdict(evaluation))
 
 
-def generative_capsules(capsnet_run_dir, **settings):
+def generative_capsules(capsnet_run_dir, resume=False, **settings):
     """A generative capsule layer on a CapsNet run's primary capsules, as `scripts/generative_capsules.py`.
 
-    `settings` are fields of `GenerativeConfig`. Writes
-    `capsnet_run_dir/generative/` and returns its `generative.json`.
+    `settings` are fields of `GenerativeConfig`; `resume` goes on from the
+    layer's newest checkpoint. Writes `capsnet_run_dir/generative/` and
+    returns its `generative.json`.
     """
-    return train_generative(capsnet_run_dir, **dataclasses.asdict(with_values(GenerativeConfig(), settings)))
+    config = with_values(GenerativeConfig(), settings)
+    return train_generative(capsnet_run_dir, resume=resume, **dataclasses.asdict(config))
 
 
 def sparse_inference(capsnet_run_dir, **settings):

@@ -124,8 +124,7 @@ def train_baseline(config, run_dir, record=None, resume=False):
         _resume_state(run, config, existing)
     else:
         for name in ("metrics.jsonl", "faults.jsonl", "environment.jsonl"):
-            if os.path.exists(run.file(name)):
-                os.remove(run.file(name))
+            run.remove(name)
     strategy = distribute.get_strategy(config.strategy)
     settings = dataclasses.asdict(config)
     record = record or existing or {"kind": "baseline", "preset": None, "overrides": {}}

@@ -161,13 +161,14 @@ def _generative_capsules(argv=None):
     p = cli.parser("Learn a generative capsule layer (Kiefer et al., section 4) on the frozen primary capsules of a "
                    "trained CapsNet run; writes RUN/generative/generative.json and samples.png.", run_dir_default=None)
     cli.add_config_flags(p, GenerativeConfig, ("parents", "parent_dim", "epochs", "seed"))
+    p.add_argument("--resume", action="store_true", help="continue the layer's training in --run-dir")
     args = p.parse_args(argv)
     if not args.run_dir:
         p.error("--run-dir (a CapsNet baseline run) is required")
     config = cli.config_from_flags(GenerativeConfig, args)
     from poecaps.experiments.api import generative_capsules  # TensorFlow: after --help
 
-    print(json.dumps(generative_capsules(args.run_dir, **dataclasses.asdict(config)), indent=2))
+    print(json.dumps(generative_capsules(args.run_dir, resume=args.resume, **dataclasses.asdict(config)), indent=2))
 
 
 # The settings of `scripts/probabilistic_capsules.py` that are flags of their own (the help's dozen flags).

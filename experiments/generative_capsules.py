@@ -8,7 +8,9 @@ training and test images, and learns `GenerativeCapsules` (10 parents of
 epoch, coefficient entropy, linear probes on the inferred parents of the
 learned layer and of the same layer with its initial random G),
 `samples.png` (digits decoded from parents drawn from the prior, beside
-decoded test parents) and the layer (`models/generative.keras`).
+decoded test parents), `curve.jsonl` (the held-out curve, kept by a resumed
+call) and the layer (`models/generative.keras`, checkpoints under
+`checkpoints/generative/`).
 """
 
 import math
@@ -27,6 +29,10 @@ from poecaps.experiments.trained import load_capsnet
 from poecaps.models import GenerativeCapsules
 from poecaps.models.saving import save_component
 from poecaps.trainers.generative import GenerativeCapsuleTrainer
+from poecaps.trainers.resumable import fit_resumable
+
+# The held-out curve of the layer, one JSON line per epoch, kept across resumed calls.
+CURVE = os.path.join("generative", "curve.jsonl")
 
 
 def primary_capsules(model, images, batch_size=250):
@@ -63,14 +69,17 @@ class _Inversion:
 
 
 class _HeldOut(keras.callbacks.Callback):
-    def __init__(self, inversion, children, record):
+    """After each epoch: the held-out bound and coefficient entropy, appended to `curve.jsonl`."""
+
+    def __init__(self, inversion, children, run):
         super().__init__()
-        self.inversion, self.children, self.record = inversion, children, record
+        self.inversion, self.children, self.run = inversion, children, run
 
     def on_epoch_end(self, epoch, logs=None):
         bound, entropy, _ = self.inversion(self.children)
-        self.record.append({"epoch": epoch + 1, "heldout_bound_per_child": bound, "coefficient_entropy": entropy,
-                            "train_bound_per_child": float((logs or {}).get("bound_per_child", float("nan")))})
+        self.run.append_jsonl(CURVE, {
+            "epoch": epoch + 1, "heldout_bound_per_child": bound, "coefficient_entropy": entropy,
+            "train_bound_per_child": float((logs or {}).get("bound_per_child", float("nan")))})
         print(f"[generative] epoch {epoch + 1}: held-out bound per child {bound:.4f}, "
               f"coefficient entropy / log J {entropy:.3f}", flush=True)
 
@@ -88,18 +97,25 @@ def _decoder(parents, images, seed, epochs=30):
 
 
 def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32, learning_rate=3e-3,
-                     iterations=10, heldout=200, probe_train=1000, seed=0):
+                     iterations=10, heldout=200, probe_train=1000, seed=0, resume=False):
     """Learn the generative layer on the run's primary capsules; write and return `generative.json`.
 
     Every inference (training steps, held-out bound, probes) runs `iterations` EM iterations. The bound
     is followed on `heldout` test images; the linear probes train on `probe_train` training images and
     test on the whole test split; the decoder of the figure learns on the same `probe_train` images.
     The settings are checked (`configs.GenerativeConfig`) before the run is read.
+
+    Training goes through `fit_resumable`, checkpointed in `RUN/checkpoints/generative/`: `resume=True`
+    goes on from the newest checkpoint to `epochs` in all (refused if a setting that shapes the training
+    changed), and keeps the curve measured so far. `seconds` and `train_seconds` are this call's.
     """
     GenerativeConfig(parents=parents, parent_dim=parent_dim, epochs=epochs, batch_size=batch_size,
                      learning_rate=learning_rate, iterations=iterations, heldout=heldout, probe_train=probe_train,
                      seed=seed)
     run, config, model = load_capsnet(run_dir)
+    fresh = not resume or not run.per_epoch(CURVE)
+    if fresh:
+        run.remove(CURVE)                            # a new layer: its own curve only
     run.record_environment("generative layer")
     keras.utils.set_random_seed(seed)
     train, train_labels, _ = load_images(config, "train")
@@ -116,18 +132,22 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
     initial = GenerativeCapsules.from_config(layer.get_config())        # the same layer, G kept random
     initial.build(x_train.shape)
     initial.set_weights(layer.get_weights())
-    record = []
     invert, invert_initial = _Inversion(layer, batch_size, iterations), _Inversion(initial, batch_size, iterations)
-    bound0, entropy0, _ = invert(x_test[pick])
-    record.append({"epoch": 0, "heldout_bound_per_child": bound0, "coefficient_entropy": entropy0})
-    print(f"[generative] at initialisation: held-out bound per child {bound0:.4f}, "
-          f"coefficient entropy / log J {entropy0:.3f}", flush=True)
+    if fresh:
+        bound0, entropy0, _ = invert(x_test[pick])
+        run.append_jsonl(CURVE, {"epoch": 0, "heldout_bound_per_child": bound0, "coefficient_entropy": entropy0})
+        print(f"[generative] at initialisation: held-out bound per child {bound0:.4f}, "
+              f"coefficient entropy / log J {entropy0:.3f}", flush=True)
     trainer = GenerativeCapsuleTrainer(layer, iterations=iterations)
     trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=True)
     usable = len(x_train) - len(x_train) % batch_size        # whole batches: one XLA computation
-    trainer.fit(x_train[:usable], batch_size=batch_size, epochs=epochs, shuffle=True, verbose=2,
-                callbacks=[_HeldOut(invert, x_test[pick], record)])
+    shape = {"parents": parents, "parent_dim": parent_dim, "batch_size": batch_size, "learning_rate": learning_rate,
+             "iterations": iterations, "heldout": heldout, "seed": seed}
+    fit_resumable(trainer, x_train[:usable], epochs=epochs, batch_size=batch_size, seed=seed,
+                  checkpoint_dir=os.path.join(run.checkpoints, "generative"), checkpoint_config=shape, resume=resume,
+                  fault_log=run.file("faults.jsonl"), callbacks=[_HeldOut(invert, x_test[pick], run)])
     train_seconds = time.perf_counter() - start
+    record = run.per_epoch(CURVE)
     _, entropy, test_parents = invert(x_test)
     train_parents = invert(x_train[few])[2]
     probe = lambda a, b: metrics.linear_probe(a.reshape(len(a), -1), train_labels[few], b.reshape(len(b), -1),
@@ -138,7 +158,8 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32
         "epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
         "iterations": iterations, "seed": seed, "heldout_images": len(pick), "probe_train_images": len(few),
         "curve": record,
-        "heldout_bound_per_child": {"initial": bound0, "final": record[-1]["heldout_bound_per_child"]},
+        "heldout_bound_per_child": {"initial": record[0]["heldout_bound_per_child"],
+                                    "final": record[-1]["heldout_bound_per_child"]},
         "coefficient_entropy_over_log_j": entropy,
         "probe_accuracy": {"learned": probe(train_parents, test_parents),
                            "random_g": probe(random_train, random_test)},

@@ -278,8 +278,7 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
         for name in os.listdir(run.checkpoints):
             shutil.rmtree(os.path.join(run.checkpoints, name), ignore_errors=True)
         for name in ("metrics.jsonl", "faults.jsonl", "environment.jsonl"):
-            if os.path.exists(run.file(name)):
-                os.remove(run.file(name))
+            run.remove(name)
     settings = dataclasses.asdict(config)
     state["settings"] = settings
     run.write_json("config.json", {**(record or {"kind": "layerwise", "preset": None, "overrides": {}}),

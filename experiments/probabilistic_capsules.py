@@ -28,7 +28,6 @@ training image, minutes.
 """
 
 import dataclasses
-import json
 import os
 import time
 
@@ -111,15 +110,8 @@ def _fit(name, model, run, x_train, x_test, epochs, batch_size, learning_rate, s
 
 
 def _curve(run, name):
-    """The per-epoch entries of model `name` in `RUN/metrics.jsonl`, the last of each epoch (a resumed run
-    may have measured an epoch twice)."""
-    by_epoch = {}
-    with open(run.file("metrics.jsonl")) as handle:
-        for line in handle:
-            entry = json.loads(line)
-            if entry.get("model") == name:
-                by_epoch[entry["epoch"]] = entry
-    return [by_epoch[e] for e in sorted(by_epoch)]
+    """The per-epoch entries of model `name` in `RUN/metrics.jsonl`, the last of each epoch."""
+    return run.per_epoch("metrics.jsonl", model=name)
 
 
 def build_capsules(canvas, seed, specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0):
@@ -172,8 +164,7 @@ def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40,
     run.write_json("config.json", {"kind": KIND, "settings": settings})
     if not resume:
         for name in ("metrics.jsonl", "environment.jsonl"):            # a new run: its own records only
-            if os.path.exists(run.file(name)):
-                os.remove(run.file(name))
+            run.remove(name)
     run.record_environment("train")
     x_train, _ = load_digits(data_dir, "train", canvas)
     x_test, _ = load_digits(data_dir, "test", canvas)

@@ -91,8 +91,31 @@ class RunDir:
             handle.write(json.dumps(environment.describe(action)) + "\n")
 
     def append_metrics(self, record):
-        with open(self.file("metrics.jsonl"), "a") as handle:
+        self.append_jsonl("metrics.jsonl", record)
+
+    def append_jsonl(self, name, record):
+        """Append `record` as one JSON line to `name` (its folder made if missing)."""
+        os.makedirs(os.path.dirname(self.file(name)), exist_ok=True)
+        with open(self.file(name), "a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+    def per_epoch(self, name, **match):
+        """The entries of JSON-lines file `name` whose fields equal `match`, the last of each `epoch`, in
+        epoch order (a resumed run may have measured an epoch twice); [] without the file."""
+        if not os.path.exists(self.file(name)):
+            return []
+        by_epoch = {}
+        with open(self.file(name)) as handle:
+            for line in handle:
+                entry = json.loads(line)
+                if all(entry.get(k) == v for k, v in match.items()):
+                    by_epoch[entry["epoch"]] = entry
+        return [by_epoch[e] for e in sorted(by_epoch)]
+
+    def remove(self, name):
+        """Delete file `name` if it exists."""
+        if os.path.exists(self.file(name)):
+            os.remove(self.file(name))
 
 
 def read_settings(run, config_cls):

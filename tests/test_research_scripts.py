@@ -215,6 +215,7 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     from poecaps.experiments.runs import load_images
     from poecaps.experiments.trained import load_capsnet
     from poecaps.models.saving import load_component
+    from poecaps.trainers.checkpoints import CheckpointError
 
     digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "capsnet")
     config = BaselineConfig(dataset="mnist", data_dir=digits, routing_iterations=0, epochs=1, batch_size=8, seed=0)
@@ -236,9 +237,13 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     for name in ("inference.json", "lengths.png", "energy.png"):
         assert os.path.getsize(os.path.join(run, "inference", name)) > 0
 
-    found = api.generative_capsules(run, parents=4, parent_dim=4, epochs=2, batch_size=8, iterations=3, heldout=8,
-                                    probe_train=16)
+    settings = {"parents": 4, "parent_dim": 4, "batch_size": 8, "iterations": 3, "heldout": 8, "probe_train": 16}
+    first = generative_capsules.train_generative(run, epochs=1, **settings)
+    with pytest.raises(CheckpointError, match="different configuration"):       # resumed with another layer
+        api.generative_capsules(run, resume=True, epochs=2, **{**settings, "parents": 3})
+    found = api.generative_capsules(run, resume=True, epochs=2, **settings)
     assert [e["epoch"] for e in found["curve"]] == [0, 1, 2]
+    assert found["curve"][:2] == first["curve"]                  # the first call's curve kept, not measured again
     assert set(found["probe_accuracy"]) == {"learned", "random_g"} and os.path.getsize(found["figure"]) > 0
     # the saved layer, reloaded, infers the recorded coefficient entropy (NumPy's) from the test digits' children
     layer = load_component(os.path.join(run, "models", "generative.keras")).layers[-1]
@@ -248,4 +253,5 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     # float32 EM under XLA in the run, eager here: coefficients to ~1e-6, entropies averaged over all children
     np.testing.assert_allclose(np.mean(entropy), found["coefficient_entropy_over_log_j"], atol=1e-4)
     with open(os.path.join(run, "environment.jsonl")) as handle:
-        assert [json.loads(line)["action"] for line in handle] == ["train", "sparse inference", "generative layer"]
+        assert [json.loads(line)["action"] for line in handle] == ["train", "sparse inference"] + [
+            "generative layer"] * 3

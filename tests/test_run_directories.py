@@ -126,3 +126,20 @@ def test_every_run_directory_state_gets_one_line(tmp_path, capsys, monkeypatch, 
             assert len(err) == 1 and err[0].startswith("error: "), (script, state, err)
             assert "Traceback" not in out
     record_tries(script, "run-directory states", tried)
+
+
+def test_a_run_keeps_the_last_entry_of_each_epoch_of_a_json_lines_file(tmp_path):
+    # A resumed run may measure an epoch twice; its curve keeps the later entry, in epoch order.
+    from poecaps.experiments.runs import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    assert run.per_epoch("sub/curve.jsonl") == []                      # no file yet
+    for entry in ({"epoch": 1, "model": "a", "x": 1}, {"epoch": 2, "model": "a", "x": 2},
+                  {"epoch": 1, "model": "b", "x": 3}, {"epoch": 2, "model": "a", "x": 4},
+                  {"epoch": 0, "model": "a", "x": 5}):
+        run.append_jsonl("sub/curve.jsonl", entry)                      # the folder is made
+    assert [e["x"] for e in run.per_epoch("sub/curve.jsonl", model="a")] == [5, 1, 4]
+    assert [e["x"] for e in run.per_epoch("sub/curve.jsonl")] == [5, 3, 4]
+    run.remove("sub/curve.jsonl")
+    run.remove("sub/curve.jsonl")                                       # gone already: nothing to do
+    assert run.per_epoch("sub/curve.jsonl") == []
