@@ -191,14 +191,13 @@ def _probabilistic_capsules(argv=None):
     settings = {name: getattr(args, name) for name in PROBABILISTIC_FLAGS if getattr(args, name) is not None}
     if args.sparsity is not None:
         settings.update(zip(("within_sparsity", "between_sparsity"), args.sparsity))
-    train, evaluation = probabilistic_configs(settings, args.evaluate_only)       # checked before TensorFlow
+    train, _ = probabilistic_configs(settings, args.evaluate_only)       # checked before TensorFlow (text parsed)
     if not args.evaluate_only and not train.data_dir:
         p.error("--data-dir (a folder of MNIST IDX files) is required to train")
     from poecaps.experiments.api import probabilistic_capsules  # TensorFlow: after --help
 
-    checked = {name: getattr(train if hasattr(train, name) else evaluation, name) for name in settings}
     print(json.dumps(probabilistic_capsules(args.run_dir, resume=args.resume, evaluate_only=args.evaluate_only,
-                                            **checked), indent=2))
+                                            **settings), indent=2))
 
 
 def train_layerwise(argv=None):
