@@ -13,6 +13,7 @@
     table = api.probabilistic_capsules("runs/smith", data_dir="../shared/data/mnist-5k", epochs=100)
     layer = api.generative_capsules("runs/capsnet", epochs=5)              # runs/capsnet/generative/
     found = api.sparse_inference("runs/capsnet", l1=0.5)                    # runs/capsnet/inference/
+    states = api.toy_routing("runs/toy")                                   # Kiefer et al.'s appendix B
 
 Each function takes the run directory; settings are the preset's (or the
 program's declared config's: `configs.ProbabilisticTrainConfig` and the
@@ -33,6 +34,7 @@ from poecaps.experiments.configs import (
     BaselineEvaluationConfig,
     GenerativeConfig,
     SparseInferenceConfig,
+    ToyRoutingConfig,
     probabilistic_configs,
 )
 from poecaps.experiments.evaluation import evaluate_run
@@ -41,6 +43,7 @@ from poecaps.experiments.layerwise import train_layerwise
 from poecaps.experiments.routing_comparison import compare_routing as _compare_routing
 from poecaps.experiments.sampling import sample_run
 from poecaps.experiments.settings import SettingError, with_values
+from poecaps.experiments.toy_routing import toy_routing as _toy_routing
 
 
 def layerwise_config(preset="default", **settings):
@@ -140,10 +143,17 @@ def generative_capsules(capsnet_run_dir, resume=False, **settings):
 def sparse_inference(capsnet_run_dir, **settings):
     """Sparse iterative inference on a CapsNet run without routing, as `scripts/sparse_inference.py`.
 
-    `settings` are fields of `SparseInferenceConfig` (`l1=None`, the
-    default, or `"auto"` chooses the weight on training digits). Writes
+    `settings` are fields of `SparseInferenceConfig` (`l1="auto"` or None,
+    the default, chooses the weight on training digits). Writes
     `capsnet_run_dir/inference/` and returns its `inference.json`.
     """
-    if settings.get("l1") == "auto":
-        settings = {**settings, "l1": None}
     return infer_run(capsnet_run_dir, **dataclasses.asdict(with_values(SparseInferenceConfig(), settings)))
+
+
+def toy_routing(run_dir, **settings):
+    """Kiefer et al.'s appendix B toy, as `scripts/toy_routing.py`: the six final hidden states.
+
+    `settings` are fields of `ToyRoutingConfig`. Writes
+    `run_dir/toy_routing.png` and returns `{reading: {penalty: [x1, x2, x3]}}`.
+    """
+    return _toy_routing(run_dir, **dataclasses.asdict(with_values(ToyRoutingConfig(), settings)))

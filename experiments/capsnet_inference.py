@@ -91,16 +91,15 @@ def calibrate_l1(model, images, labels, grid=L1_GRID, batch_size=250, **settings
                     "accuracy_by_l1": {str(w): a for w, a in accuracies.items()}, "l1": chosen}
 
 
-def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1="auto", batch_size=250, shown=4):
+def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1=None, batch_size=250, shown=4):
     """Run the four inferences on the first `examples` test digits; write and return `inference.json`.
 
-    `l1` is the L1 weight, or `"auto"` (or None) to choose it by
+    `l1` is the L1 weight, or None (or `"auto"`) to choose it by
     `calibrate_l1` on `examples` training digits first. The settings are
     checked (`configs.SparseInferenceConfig`) before the run is read.
     """
-    l1 = None if l1 == "auto" else l1
-    SparseInferenceConfig(examples=examples, steps=steps, learning_rate=learning_rate, l1=l1, batch_size=batch_size,
-                          shown=shown)
+    l1 = SparseInferenceConfig(examples=examples, steps=steps, learning_rate=learning_rate, l1=l1,
+                               batch_size=batch_size, shown=shown).l1
     run, config, model = load_capsnet(run_dir)
     run.record_environment("sparse inference")
     settings = {"steps": steps, "learning_rate": learning_rate}

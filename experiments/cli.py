@@ -81,8 +81,9 @@ def add_config_flags(p, config_cls, names=None):
         if names is not None and name not in names:
             continue
         default = getattr(defaults, name)
+        shown = spec.none_word if default is None else default
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
-                       help=spec.help + ("" if default is None else f" (default: {default})"))
+                       help=f"{spec.help} (default: {shown})")
 
 
 def config_from_flags(config_cls, args, **values):

@@ -17,6 +17,7 @@ from poecaps.experiments.configs import (
     ProbabilisticTrainConfig,
     SampleConfig,
     SparseInferenceConfig,
+    ToyRoutingConfig,
     probabilistic_configs,
 )
 
@@ -122,15 +123,17 @@ def _compare_routing(argv=None):
 
 def _toy_routing(argv=None):
     p = cli.parser("Kiefer et al.'s toy (appendix B, Figure 3): the hidden states of a 3-3-1 predictive-coding "
-                   "network over 500 steps, with no penalty, L1 and L2, under both readings of the energy; "
+                   "network over its steps, with no penalty, L1 and L2, under both readings of the energy; "
                    "writes RUN/toy_routing.png.", run_dir_default=os.path.join("runs", "toy_routing"))
+    cli.add_config_flags(p, ToyRoutingConfig)
     p.add_argument("--json", action="store_true", help="print the six final states as one JSON line, last")
     p.add_argument("--seed", default=None, metavar="VALUE",
                    help="accepted for uniformity; the toy is deterministic (it starts at x = u)")
     args = p.parse_args(argv)
-    from poecaps.experiments.toy_routing import toy_routing  # TensorFlow: after --help
+    config = cli.config_from_flags(ToyRoutingConfig, args)
+    from poecaps.experiments.api import toy_routing  # TensorFlow: after --help
 
-    finals = toy_routing(args.run_dir)
+    finals = toy_routing(args.run_dir, **dataclasses.asdict(config))
     print(f"wrote {os.path.join(args.run_dir, 'toy_routing.png')}")
     for reading, states in finals.items():
         for penalty, x in states.items():
@@ -143,15 +146,13 @@ def _sparse_inference(argv=None):
     p = cli.parser("Sparse iterative inference on a trained CapsNet run without routing (Kiefer et al., appendix "
                    "C): primary and class capsules free, L1 on or off, label clamped or not; writes "
                    "RUN/inference/inference.json, lengths.png and energy.png.", run_dir_default=None)
-    cli.add_config_flags(p, SparseInferenceConfig, ("examples", "steps"))
-    p.add_argument("--l1", default="auto", help="L1 weight on the class-capsule lengths, or 'auto': the largest "
-                   "of 1, 0.7, 0.5, 0.3, 0.2, 0.1 that costs no accuracy on training digits")
+    cli.add_config_flags(p, SparseInferenceConfig, ("examples", "steps", "l1"))
     p.add_argument("--seed", default=None, metavar="VALUE",
                    help="accepted for uniformity; inference is deterministic")
     args = p.parse_args(argv)
     if not args.run_dir:
         p.error("--run-dir (a CapsNet baseline run) is required")
-    config = cli.config_from_flags(SparseInferenceConfig, args, l1=None if args.l1 == "auto" else args.l1)
+    config = cli.config_from_flags(SparseInferenceConfig, args)
     from poecaps.experiments.api import sparse_inference  # TensorFlow: after --help
 
     print(json.dumps(sparse_inference(args.run_dir, **dataclasses.asdict(config)), indent=2))

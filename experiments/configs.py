@@ -272,11 +272,19 @@ class SparseInferenceConfig(Checked):
     examples: int = setting(1000, "test digits (an even spread of the test split)", minimum=1)
     steps: int = setting(500, "inference steps", minimum=1)
     learning_rate: float = setting(0.01, "step size of the descent", above=0.0)
-    l1: float | None = setting(None, "L1 weight on the class-capsule lengths (none: chosen on training digits, "
-                               "the largest of 1, 0.7, 0.5, 0.3, 0.2, 0.1 that costs them no accuracy)", kind=float,
-                               minimum=0.0)
+    l1: float | None = setting(None, "L1 weight on the class-capsule lengths, or auto: the largest of 1, 0.7, 0.5, "
+                               "0.3, 0.2, 0.1 that costs training digits no accuracy", kind=float, minimum=0.0,
+                               none_word="auto")
     batch_size: int = setting(250, "digits per inference", minimum=1)
     shown: int = setting(4, "digits drawn in lengths.png", minimum=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyRoutingConfig(Checked):
+    """Settings of Kiefer et al.'s appendix B toy (`toy_routing.toy_routing`)."""
+
+    steps: int = setting(500, "gradient steps on the energy from x = u", minimum=1)
+    learning_rate: float = setting(0.01, "SGD step size", above=0.0)
 
 
 def probabilistic_configs(values, evaluate_only=False):

@@ -32,6 +32,9 @@ class Spec:
         above, below: exclusive bounds of a number (None: unbounded).
         choices: the allowed strings.
         optional: whether None is allowed (its meaning is in `help`).
+        none_word: the word that stands for None, in Python and on the
+            command line ("none", or e.g. "auto" where None means "chosen
+            for you"); "none" and "null" are always read as None too.
     """
 
     kind: type
@@ -42,6 +45,7 @@ class Spec:
     below: float | None = None
     choices: tuple | None = None
     optional: bool = False
+    none_word: str = "none"
 
     def __post_init__(self):
         if self.kind not in (bool, int, float, str):
@@ -65,13 +69,13 @@ class Spec:
                       f"<= {_number(self.maximum)}" if self.maximum is not None else None,
                       f"< {_number(self.below)}" if self.below is not None else None]
             text += " " + " and ".join(b for b in bounds if b)
-        return text + (", or none" if self.optional else "")
+        return text + (f", or {self.none_word}" if self.optional else "")
 
     def check(self, name, value):
-        """`value` if it obeys the rules (ints accepted for floats, as floats); else `SettingError`."""
+        """`value` if it obeys the rules (ints accepted for floats, as floats, `none_word` as None); else `SettingError`."""
+        if self.optional and (value is None or (isinstance(value, str) and value == self.none_word)):
+            return None
         if value is None:
-            if self.optional:
-                return None
             self._fail(name, value)
         if self.kind is bool:
             if not isinstance(value, bool):
@@ -101,7 +105,7 @@ class Spec:
         if not isinstance(text, str):
             return self.check(name, text)
         stripped = text.strip()
-        if self.optional and stripped.lower() in ("none", "null"):
+        if self.optional and stripped.lower() in ("none", "null", self.none_word):
             return None
         if self.kind is bool:
             if stripped.lower() not in _TRUE + _FALSE:

@@ -4,13 +4,16 @@ import os
 
 from poecaps import inference
 from poecaps.experiments import figures
+from poecaps.experiments.configs import ToyRoutingConfig
 
 
 def toy_routing(run_dir, steps=500, learning_rate=0.01):
     """Run the six settings from a fresh start each; write `run_dir/toy_routing.png`; return the final states.
 
-    Returns `{"output_only": {"none": [x1, x2, x3], "l1": ..., "l2": ...}, "full": {...}}`.
+    Returns `{"output_only": {"none": [x1, x2, x3], "l1": ..., "l2": ...}, "full": {...}}`. The
+    settings are checked (`configs.ToyRoutingConfig`) before anything is written.
     """
+    ToyRoutingConfig(steps=steps, learning_rate=learning_rate)
     os.makedirs(run_dir, exist_ok=True)
     finals, panels = {}, []
     for reading in inference.READINGS:

@@ -69,6 +69,8 @@ def test_the_research_programs_check_their_settings_before_any_work(tmp_path):
         (lambda: api.generative_capsules(str(run), parent=3), "Did you mean parents"),
         (lambda: api.sparse_inference(str(run), l1=-0.5), "l1 must be a number >= 0"),
         (lambda: api.sparse_inference(str(run), steps=2.5), "steps must be an integer >= 1"),
+        (lambda: api.toy_routing(str(run), learning_rate=-1), "learning_rate must be a number > 0"),
+        (lambda: api.toy_routing(str(run), step=3), "ToyRoutingConfig has no setting 'step'. Did you mean steps"),
     ]
     for call, message in refusals:
         with pytest.raises(SettingError, match=message):
@@ -86,21 +88,27 @@ def test_the_research_functions_defaults_are_their_configs():
     import dataclasses
     import inspect
 
-    from poecaps.experiments import capsnet_inference, generative_capsules, probabilistic_capsules
+    from poecaps.experiments import (
+        capsnet_inference,
+        generative_capsules,
+        probabilistic_capsules,
+        toy_routing,
+    )
     from poecaps.experiments.configs import (
         GenerativeConfig,
         ProbabilisticEvaluationConfig,
         ProbabilisticTrainConfig,
         SparseInferenceConfig,
+        ToyRoutingConfig,
     )
 
     pairs = [(probabilistic_capsules.train_run, ProbabilisticTrainConfig),
              (probabilistic_capsules.evaluate_run, ProbabilisticEvaluationConfig),
              (generative_capsules.train_generative, GenerativeConfig),
-             (capsnet_inference.infer_run, SparseInferenceConfig)]
+             (capsnet_inference.infer_run, SparseInferenceConfig),
+             (toy_routing.toy_routing, ToyRoutingConfig)]
     for function, config_cls in pairs:
         parameters = inspect.signature(function).parameters
         for field in dataclasses.fields(config_cls):
             default = parameters[field.name].default
-            default = None if (field.name, default) == ("l1", "auto") else default     # "auto" is l1=None
             assert default == field.default, (function.__name__, field.name)

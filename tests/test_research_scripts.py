@@ -54,7 +54,7 @@ def test_generative_capsules_and_sparse_inference_check_their_settings():
         assert f"{flag[2:].replace('-', '_')} must be an integer >= 1" in stderr
     for flag, value, message in (("--examples", "0", "examples must be an integer >= 1"),
                                  ("--steps", "x", "steps must be an integer >= 1"),
-                                 ("--l1", "-1", "l1 must be a number >= 0")):
+                                 ("--l1", "-1", "l1 must be a number >= 0, or auto")):
         assert message in _one_error_line(_run("sparse_inference.py", "--run-dir", "r", flag, value))
 
 

@@ -73,6 +73,17 @@ def test_with_values_checks_each_value_by_its_declaration(values, message):
         with_values(LayerwiseConfig(), values)
 
 
+def test_a_none_word_stands_for_none_in_python_and_on_the_command_line():
+    spec = Spec(float, "a weight, or auto", minimum=0.0, optional=True, none_word="auto")
+    for value in ("auto", "none", " AUTO ", None):
+        assert spec.parse("w", value) is None
+    assert spec.check("w", "auto") is None and spec.check("w", 0.5) == 0.5
+    with pytest.raises(SettingError, match="w must be a number >= 0, or auto. Received: w='x'"):
+        spec.parse("w", "x")
+    with pytest.raises(SettingError, match="w must be a number >= 0. Received: w='auto'"):
+        Spec(float, "a weight", minimum=0.0).check("w", "auto")         # not optional: the word is text
+
+
 def test_python_construction_is_checked_by_the_same_declarations():
     with pytest.raises(SettingError, match="num_capsules must be an integer >= 1. Received: num_capsules=0"):
         LayerwiseConfig(num_capsules=0)

@@ -52,12 +52,12 @@ def test_toy_output_only_l1_reaches_a_minimiser_with_one_unit_on():
 
 def test_toy_script_prints_the_librarys_states(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "toy_routing.py")
-    out = subprocess.run([sys.executable, script, "--json", "--run-dir", str(tmp_path / "toy")],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, script, "--json", "--run-dir", str(tmp_path / "toy"), "--steps", "120",
+                          "--learning-rate", "0.02"], capture_output=True, text=True, check=True).stdout
     printed = json.loads(out.strip().splitlines()[-1])
     for reading in ("output_only", "full"):
         for penalty in ("none", "l1", "l2"):
-            trajectory, _ = inference.toy_states(penalty, reading)
+            trajectory, _ = inference.toy_states(penalty, reading, steps=120, learning_rate=0.02)
             np.testing.assert_allclose(printed[reading][penalty], trajectory[-1].numpy(), atol=1e-9)
     assert os.path.exists(tmp_path / "toy" / "toy_routing.png")
 
