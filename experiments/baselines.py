@@ -7,6 +7,7 @@ import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from poecaps import distribute
 from poecaps.errors import InputError
@@ -101,12 +102,32 @@ class _MetricsLog(keras.callbacks.Callback):
         self.run.append_metrics({"stage": "baseline", "epoch": epoch, **named})
 
 
-class _TestSplitTensorBoard(keras.callbacks.TensorBoard):
-    """Keras's TensorBoard logs, the fit's validation curves filed under `logs/test/`, since they are the test split's."""
+class _EpochScalars(keras.callbacks.Callback):
+    """Each epoch's metrics as TensorBoard scalars (`epoch_<metric>`): the training figures under
+    `logs/train/`, the fit's validation figures under `logs/test/`, since they are the test split's."""
 
-    def set_model(self, model):
-        super().set_model(model)
-        self._val_dir = os.path.join(self.log_dir, "test")
+    def __init__(self, log_dir):
+        super().__init__()
+        self.log_dir = log_dir
+        self._writers = {}
+
+    def _writer(self, split):
+        if split not in self._writers:
+            self._writers[split] = tf.summary.create_file_writer(os.path.join(self.log_dir, split))
+        return self._writers[split]
+
+    def on_epoch_end(self, epoch, logs=None):
+        for name, value in (logs or {}).items():
+            split, metric = ("test", name[4:]) if name.startswith("val_") else ("train", name)
+            with self._writer(split).as_default():
+                tf.summary.scalar("epoch_" + metric, float(value), step=epoch)
+        for writer in self._writers.values():
+            writer.flush()
+
+    def on_train_end(self, logs=None):
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
 
 
 def train_baseline(config, run_dir, record=None, resume=False):
@@ -147,7 +168,7 @@ def train_baseline(config, run_dir, record=None, resume=False):
         previous = run.read_json("state.json", {}) if resume else {}
         initial = previous.get("initial_routing") or _routing_now(network, test, config)
         timer = StepTimer()
-        callbacks = [_TestSplitTensorBoard(run.logs, write_graph=False), _MetricsLog(run), timer]
+        callbacks = [_EpochScalars(run.logs), _MetricsLog(run), timer]
         start = time.perf_counter()
         history = fit_resumable(
             trainer, train, train_labels, epochs=config.epochs, batch_size=config.batch_size,

@@ -242,6 +242,18 @@ def _evaluated_again(run, result, *extra):
     return again
 
 
+def _tensorboard_scalars(folder):
+    """`{(tag, step): value}` of every scalar in a TensorBoard run's event files, read with TensorFlow's own reader."""
+    import tensorflow as tf
+
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(folder, name)):
+            for value in event.summary.value:
+                found[(value.tag, event.step)] = float(tf.make_ndarray(value.tensor))
+    return found
+
+
 @pytest.mark.slow
 def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir):
     run = str(tmp_path / "sabour2017")
@@ -258,7 +270,13 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir):
     assert [line["epoch"] for line in lines] == [0, 1]
     # the fit's validation data is the test split, and its figures say so
     assert all("test_accuracy" in line and not any(k.startswith("val_") for k in line) for line in lines)
-    assert sorted(os.listdir(os.path.join(run, "logs"))) == ["test", "train"]      # TensorBoard's runs too
+    # TensorBoard's runs too: each epoch's figures as metrics.jsonl has them, validation under test/
+    assert sorted(os.listdir(os.path.join(run, "logs"))) == ["test", "train"]
+    for split, prefix in (("train", ""), ("test", "test_")):
+        scalars = _tensorboard_scalars(os.path.join(run, "logs", split))
+        for line in lines:
+            assert scalars[("epoch_accuracy", line["epoch"])] == pytest.approx(line[prefix + "accuracy"], rel=1e-6)
+            assert scalars[("epoch_loss", line["epoch"])] == pytest.approx(line[prefix + "loss"], rel=1e-6)
     with open(os.path.join(run, "config.json")) as handle:
         record = json.load(handle)
     assert record["preset"] == "sabour2017" and record["overrides"]["epochs"] == 2
