@@ -18,11 +18,14 @@ from poecaps.experiments.settings import parse_assignment, specs, with_values
 DEFAULT_RUN_DIR = os.path.join("runs", "default")
 
 
-def _settings_help(config):
-    lines = []
-    for name, spec in specs(config).items():
-        lines.append(f"  {name} = {getattr(config, name)!r}: {spec.help} ({spec.describe()})")
-    return "\n".join(lines)
+def _settings_help(*configs):
+    lines = {}
+    for config in configs:
+        for name, spec in specs(config).items():
+            value = getattr(config, name)
+            shown = spec.none_word if value is None else repr(value)
+            lines.setdefault(name, f"  {name} = {shown}: {spec.help} ({spec.describe()})")
+    return "\n".join(lines.values())
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -65,10 +68,7 @@ def config_from_args(kind, args, shortcuts=()):
     `record` is what `config.json` keeps of the call: `{"kind", "preset",
     "overrides"}`, the overrides as checked values.
     """
-    values = {name: getattr(args, name) for name in shortcuts if getattr(args, name) is not None}
-    for text in args.set:
-        name, value = parse_assignment(text)
-        values[name] = value
+    values = flag_values(args, shortcuts)
     config = with_values(presets.get(kind, args.preset), values)
     return config, {"kind": kind, "preset": args.preset,
                     "overrides": {name: getattr(config, name) for name in values}}
@@ -81,15 +81,30 @@ def add_config_flags(p, config_cls, names=None):
         if names is not None and name not in names:
             continue
         default = getattr(defaults, name)
-        shown = spec.none_word if default is None else default
+        # None's meaning is in the help, unless it has a word of its own ("auto")
+        shown = default if default is not None else spec.none_word if spec.none_word != "none" else None
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
-                       help=f"{spec.help} (default: {shown})")
+                       help=spec.help + ("" if shown is None else f" (default: {shown})"))
+
+
+def add_set_flag(p, *config_classes):
+    """`--set FIELD=VALUE` (repeatable) for every field of `config_classes`; the epilog lists them, with defaults."""
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change any setting listed below (repeatable)")
+    p.epilog = (f"settings (--set FIELD=VALUE; the defaults):\n"
+                f"{_settings_help(*(cls() for cls in config_classes))}")
+
+
+def flag_values(args, names):
+    """`{field: text}` of the flags among `names` that were given, then of every `--set FIELD=VALUE`, in order."""
+    values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    values.update(parse_assignment(text) for text in getattr(args, "set", None) or ())
+    return values
 
 
 def config_from_flags(config_cls, args, **values):
-    """A config from flags named after its fields (None: the field's default), then `values`, each checked."""
-    given = {name: getattr(args, name) for name in specs(config_cls) if getattr(args, name, None) is not None}
-    return with_values(config_cls(), {**given, **values})
+    """A config from flags named after its fields and `--set` (None: the field's default), then `values`, checked."""
+    return with_values(config_cls(), {**flag_values(args, specs(config_cls)), **values})
 
 
 def run_main(main, argv=None):

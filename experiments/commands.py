@@ -111,10 +111,9 @@ def _compare_routing(argv=None):
     args = p.parse_args(argv)
     from poecaps.experiments.configs import BaselineEvaluationConfig
     from poecaps.experiments.routing_comparison import compare_routing  # TensorFlow: after --help
-    from poecaps.experiments.settings import parse_assignment, with_values
+    from poecaps.experiments.settings import with_values
 
-    settings = {name: getattr(args, name) for name in shortcuts if getattr(args, name) is not None}
-    settings.update(parse_assignment(text) for text in args.set)
+    settings = cli.flag_values(args, shortcuts)
     evaluation = with_values(BaselineEvaluationConfig(), {} if args.test_limit is None else
                              {"test_limit": args.test_limit})
     _, table = compare_routing(args.run_dir, settings, args.row, evaluation)
@@ -147,6 +146,7 @@ def _sparse_inference(argv=None):
                    "C): primary and class capsules free, L1 on or off, label clamped or not; writes "
                    "RUN/inference/inference.json, lengths.png and energy.png.", run_dir_default=None)
     cli.add_config_flags(p, SparseInferenceConfig, ("examples", "steps", "l1"))
+    cli.add_set_flag(p, SparseInferenceConfig)
     p.add_argument("--seed", default=None, metavar="VALUE",
                    help="accepted for uniformity; inference is deterministic")
     args = p.parse_args(argv)
@@ -162,6 +162,7 @@ def _generative_capsules(argv=None):
     p = cli.parser("Learn a generative capsule layer (Kiefer et al., section 4) on the frozen primary capsules of a "
                    "trained CapsNet run; writes RUN/generative/generative.json and samples.png.", run_dir_default=None)
     cli.add_config_flags(p, GenerativeConfig, ("parents", "parent_dim", "epochs", "seed"))
+    cli.add_set_flag(p, GenerativeConfig)
     p.add_argument("--resume", action="store_true", help="continue the layer's training in --run-dir")
     args = p.parse_args(argv)
     if not args.run_dir:
@@ -173,8 +174,7 @@ def _generative_capsules(argv=None):
 
 
 # The settings of `scripts/probabilistic_capsules.py` that are flags of their own (the help's dozen flags).
-PROBABILISTIC_FLAGS = ("data_dir", "epochs", "batch_size", "learning_rate", "canvas", "specialisation", "seed",
-                       "tto_steps")
+PROBABILISTIC_FLAGS = ("data_dir", "epochs", "batch_size", "learning_rate", "canvas", "seed", "tto_steps")
 
 
 def _probabilistic_capsules(argv=None):
@@ -183,15 +183,11 @@ def _probabilistic_capsules(argv=None):
                    run_dir_default=os.path.join("runs", "probabilistic"))
     cli.add_config_flags(p, ProbabilisticTrainConfig, PROBABILISTIC_FLAGS)
     cli.add_config_flags(p, ProbabilisticEvaluationConfig, ("tto_steps",))
-    p.add_argument("--sparsity", nargs=2, default=None, metavar=("WITHIN", "BETWEEN"),
-                   help="weights of the top presences' prior sparsity within and between images in training "
-                        "(default: 0 0, the paper's bound alone)")
+    cli.add_set_flag(p, ProbabilisticTrainConfig, ProbabilisticEvaluationConfig)
     p.add_argument("--resume", action="store_true", help="continue the training in --run-dir")
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
     args = p.parse_args(argv)
-    settings = {name: getattr(args, name) for name in PROBABILISTIC_FLAGS if getattr(args, name) is not None}
-    if args.sparsity is not None:
-        settings.update(zip(("within_sparsity", "between_sparsity"), args.sparsity))
+    settings = cli.flag_values(args, PROBABILISTIC_FLAGS)
     train, _ = probabilistic_configs(settings, args.evaluate_only)       # checked before TensorFlow (text parsed)
     if not args.evaluate_only and not train.data_dir:
         p.error("--data-dir (a folder of MNIST IDX files) is required to train")

@@ -54,8 +54,11 @@ def test_generative_capsules_and_sparse_inference_check_their_settings():
         assert f"{flag[2:].replace('-', '_')} must be an integer >= 1" in stderr
     for flag, value, message in (("--examples", "0", "examples must be an integer >= 1"),
                                  ("--steps", "x", "steps must be an integer >= 1"),
-                                 ("--l1", "-1", "l1 must be a number >= 0, or auto")):
+                                 ("--l1", "-1", "l1 must be a number >= 0, or auto"),
+                                 ("--set", "shown=0", "shown must be an integer >= 1")):
         assert message in _one_error_line(_run("sparse_inference.py", "--run-dir", "r", flag, value))
+    assert "iterations must be an integer >= 1" in _one_error_line(
+        _run("generative_capsules.py", "--run-dir", "r", "--set", "iterations=0"))
 
 
 def test_probabilistic_capsules_checks_its_flags_and_runs(tmp_path):
@@ -67,13 +70,16 @@ def test_probabilistic_capsules_checks_its_flags_and_runs(tmp_path):
     assert "learning_rate must be a number > 0" in _one_error_line(
         _run(script, "--data-dir", "d", "--learning-rate", "0"))
     assert "tto_steps must be an integer >= 0" in _one_error_line(_run(script, "--data-dir", "d", "--tto-steps", "-1"))
+    # every other setting through --set, read by the same declarations
     assert "specialisation must be a number >= 0" in _one_error_line(
-        _run(script, "--data-dir", "d", "--specialisation", "-1"))
-    for values, name in ((("1", "-1"), "between"), (("nan", "0"), "within"), (("0", "nan"), "between"),
-                         (("0", "inf"), "between")):
+        _run(script, "--data-dir", "d", "--set", "specialisation=-1"))
+    for name, value in (("between", "-1"), ("within", "nan"), ("between", "inf")):
         assert f"{name}_sparsity must be a number >= 0" in _one_error_line(
-            _run(script, "--data-dir", "d", "--sparsity", *values))
+            _run(script, "--data-dir", "d", "--set", f"{name}_sparsity={value}"))
+    assert "Did you mean tto_steps" in _one_error_line(_run(script, "--data-dir", "d", "--set", "tto_step=3"))
+    assert "--set takes FIELD=VALUE" in _one_error_line(_run(script, "--data-dir", "d", "--set", "epochs"))
     assert "it takes no epochs" in _one_error_line(_run(script, "--evaluate-only", "--epochs", "3"))
+    assert "it takes no specialisation" in _one_error_line(_run(script, "--evaluate-only", "--set", "specialisation=1"))
     assert "No run directory" in _one_error_line(_run(script, "--evaluate-only", "--run-dir", str(tmp_path / "no")))
     baseline = tmp_path / "baseline"                    # another kind of run
     shutil.copytree(os.path.join(ROOT, "docs", "results", "baselines", "hinton2018_small_mnist5k"), baseline)

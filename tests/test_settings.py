@@ -137,3 +137,18 @@ def test_config_from_args_applies_shortcuts_then_set_and_records_them():
                                          dataset="mnist")
     assert record == {"kind": "layerwise", "preset": "hauser2019",
                       "overrides": {"seed": 4, "dataset": "mnist", "decoder_rule": "delta"}}
+
+
+def test_a_research_scripts_flags_and_set_reach_its_config():
+    from poecaps.experiments.configs import GenerativeConfig
+
+    p = cli.parser("a research script", run_dir_default=None)
+    cli.add_config_flags(p, GenerativeConfig, ("epochs", "seed"))
+    cli.add_set_flag(p, GenerativeConfig)
+    args = p.parse_args(["--epochs", "3", "--set", "iterations=4", "--set", "learning_rate=1e-2", "--set", "seed=7",
+                         "--seed", "2"])
+    config = cli.config_from_flags(GenerativeConfig, args)
+    assert config == dataclasses.replace(GenerativeConfig(), epochs=3, iterations=4, learning_rate=0.01, seed=7)
+    assert "  iterations = 10: EM iterations of every inference (an integer >= 1)" in p.format_help()
+    with pytest.raises(SettingError, match="GenerativeConfig has no setting 'iteration'. Did you mean iterations"):
+        cli.config_from_flags(GenerativeConfig, p.parse_args(["--set", "iteration=4"]))
