@@ -72,8 +72,13 @@ class Spec:
         return text + (f", or {self.none_word}" if self.optional else "")
 
     def check(self, name, value):
-        """`value` if it obeys the rules (ints accepted for floats, as floats, `none_word` as None); else `SettingError`."""
-        if self.optional and (value is None or (isinstance(value, str) and value == self.none_word)):
+        """`value` if it obeys the rules (ints accepted for floats, as floats); else `SettingError`.
+
+        An optional number or flag also takes `none_word` for None (`l1="auto"`); for a text
+        setting the word is text (a folder may be called "none").
+        """
+        if self.optional and (value is None or (self.kind is not str and value == self.none_word
+                                                and isinstance(value, str))):
             return None
         if value is None:
             self._fail(name, value)

@@ -82,6 +82,7 @@ def test_a_none_word_stands_for_none_in_python_and_on_the_command_line():
         spec.parse("w", "x")
     with pytest.raises(SettingError, match="w must be a number >= 0. Received: w='auto'"):
         Spec(float, "a weight", minimum=0.0).check("w", "auto")         # not optional: the word is text
+    assert Spec(str, "a folder", optional=True).check("d", "none") == "none"  # in Python a path is a path
 
 
 def test_python_construction_is_checked_by_the_same_declarations():
