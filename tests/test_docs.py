@@ -1,0 +1,37 @@
+"""The README's and the docs pages' relative links reach files of the checkout."""
+
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")          # [text](target)
+
+
+def relative_links(text):
+    """The targets of Markdown links that are paths (no scheme), without their #anchors."""
+    return [link.split("#")[0] for link in LINK.findall(text) if not re.match(r"[a-z]+:", link) and link[0] != "#"]
+
+
+def test_relative_links_are_read_as_paths():
+    text = "[a](docs/x.md) [b](https://x.org/y) [c](#top) [d](results/r/#part) ![e](fig.png) [f](mailto:a@b)"
+    assert relative_links(text) == ["docs/x.md", "results/r/", "fig.png"]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_reaches_a_file(page):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as handle:
+        links = relative_links(handle.read())
+    folder = os.path.dirname(os.path.join(ROOT, page))
+    missing = [link for link in links if not os.path.exists(os.path.join(folder, link))]
+    assert not missing, f"{page} links to {missing}"
+
+
+def test_the_docs_index_lists_every_page():
+    with open(os.path.join(ROOT, "docs", "README.md"), encoding="utf-8") as handle:
+        listed = set(relative_links(handle.read()))
+    pages = {os.path.basename(p) for p in PAGES if p.startswith("docs") and not p.endswith("README.md")}
+    assert pages <= listed, f"not in docs/README.md: {sorted(pages - listed)}"
