@@ -32,9 +32,9 @@ class Spec:
         above, below: exclusive bounds of a number (None: unbounded).
         choices: the allowed strings.
         optional: whether None is allowed (its meaning is in `help`).
-        none_word: the word that stands for None, in Python and on the
-            command line ("none", or e.g. "auto" where None means "chosen
-            for you"); "none" and "null" are always read as None too.
+        none_word: the word that stands for None ("none", or e.g. "auto"
+            where None means "chosen for you"): on the command line, where
+            "none" and "null" also do, and in Python for a number or flag.
     """
 
     kind: type
