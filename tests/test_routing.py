@@ -140,6 +140,18 @@ def test_coefficients_sum_to_one_over_the_chosen_axis(rng):
     np.testing.assert_allclose(c.sum(axis=1), 1.0, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", sorted(routing._REGISTRY))
+def test_every_router_sums_its_coefficients_over_the_axis_it_declares(rng, name):
+    # The routing statistics read `normalizes`; a router whose coefficients summed over the
+    # other axis would have its entropy taken over the wrong one. Float32 sums of 4 or 9 terms
+    # of at most 1 are exact to a few ulps.
+    layer = routing.get(name)
+    votes = rng.normal(size=(3, 9, 4, 16)).astype("float32")
+    c = ops.convert_to_numpy(layer(votes, rng.uniform(0.1, 1.0, size=(3, 9)).astype("float32")).coefficients)
+    axis = {"parents": 2, "children": 1}[layer.normalizes]
+    np.testing.assert_allclose(c.sum(axis=axis), 1.0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"iterations": -1}, "iterations=-1"),
     ({"agreement": "euclid"}, "agreement='euclid'"),

@@ -29,10 +29,12 @@ class EMRouting(Routing):
                            - sum_h log sqrt(2 pi var_j^h)                (28)
                 R_ij = a_j p_ij / sum_k a_k p_ik                         (29)
 
-    (no E-step after the last M-step). Everything runs in log space:
-    `log a_j = log_sigmoid(...)` and the normalisation of (29) is a
-    `logsumexp` over j, so no responsibility underflows to 0/0. The inverse
-    temperature rises over the rounds, `lambda_t = final_lambda *
+    (no E-step after the last M-step). Eq. 29 shares each child's unit of
+    vote among the parents, so `normalizes = "parents"` (the design's list of
+    axes says children for EM; the equation says parents). Everything runs
+    in log space: `log a_j = log_sigmoid(...)` and the normalisation of (29)
+    is a `logsumexp` over j, so no responsibility underflows to 0/0. The
+    inverse temperature rises over the rounds, `lambda_t = final_lambda *
     (1 - 0.95^(t+1))`. `beta_u` and `beta_a` are learned, one per upper
     capsule type. Routing runs in float32 under mixed precision.
 
