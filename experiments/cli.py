@@ -80,11 +80,16 @@ def add_config_flags(p, config_cls, names=None):
     for name, spec in specs(config_cls).items():
         if names is not None and name not in names:
             continue
-        default = getattr(defaults, name)
-        # None's meaning is in the help, unless it has a word of its own ("auto")
-        shown = default if default is not None else spec.none_word if spec.none_word != "none" else None
+        shown = _default_shown(getattr(defaults, name), spec)
         p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
                        help=spec.help + ("" if shown is None else f" (default: {shown})"))
+
+
+def _default_shown(default, spec):
+    """The default a flag's help shows: the value, or None's own word ("auto"); a plain None's meaning is in the help."""
+    if default is not None:
+        return default
+    return None if spec.none_word == "none" else spec.none_word
 
 
 def add_set_flag(p, *config_classes):
