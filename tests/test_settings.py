@@ -153,3 +153,18 @@ def test_a_research_scripts_flags_and_set_reach_its_config():
     assert "  iterations = 10: EM iterations of every inference (an integer >= 1)" in p.format_help()
     with pytest.raises(SettingError, match="GenerativeConfig has no setting 'iteration'. Did you mean iterations"):
         cli.config_from_flags(GenerativeConfig, p.parse_args(["--set", "iteration=4"]))
+
+
+def test_a_flags_help_shows_the_default_or_none_s_own_word():
+    @dataclasses.dataclass(frozen=True)
+    class Flags:
+        steps: int = setting(5, "steps", minimum=1)
+        l1: float = setting(None, "a weight, or auto", kind=float, minimum=0.0, none_word="auto")
+        folder: str = setting(None, "a folder; none: the run's", kind=str)
+
+    p = argparse.ArgumentParser()
+    cli.add_config_flags(p, Flags)
+    text = " ".join(p.format_help().split())
+    assert "--steps VALUE steps (default: 5)" in text
+    assert "--l1 VALUE a weight, or auto (default: auto)" in text
+    assert "--folder VALUE a folder; none: the run's" in text and "(default: None)" not in text
