@@ -140,7 +140,7 @@ def test_coefficients_sum_to_one_over_the_chosen_axis(rng):
     np.testing.assert_allclose(c.sum(axis=1), 1.0, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(routing._REGISTRY))
+@pytest.mark.parametrize("name", routing.names())
 def test_every_router_sums_its_coefficients_over_the_axis_it_declares(rng, name):
     # The routing statistics read `normalizes`; a router whose coefficients summed over the
     # other axis would have its entropy taken over the wrong one. Float32 sums of 4 or 9 terms

@@ -7,7 +7,7 @@ ablation), `"em"` (EM routing of matrix capsules), `"similarity"` and
 `"connectionist"` (Faria's learned routings), `"sparse_inference"` (parents
 inferred by descent on an energy, Kiefer et al.), `"generative"` (MAP-EM
 inversion of a generative capsule model, Kiefer et al. section 4), a config
-dict, or a `Routing` instance.
+dict, or a `Routing` instance; `names()` lists the names.
 """
 
 import keras
@@ -34,6 +34,11 @@ _REGISTRY = {
 }
 
 
+def names():
+    """The names `get` resolves, sorted."""
+    return sorted(_REGISTRY)
+
+
 def get(identifier, **kwargs):
     """Return a routing layer from a name, a serialized config or an instance."""
     if isinstance(identifier, Routing):
@@ -43,10 +48,10 @@ def get(identifier, **kwargs):
     if isinstance(identifier, str) and identifier.lower() in _REGISTRY:
         return _REGISTRY[identifier.lower()](**kwargs)
     raise ValueError(
-        f"Unknown routing {identifier!r}; expected one of {sorted(_REGISTRY)} or a Routing "
+        f"Unknown routing {identifier!r}; expected one of {names()} or a Routing "
         f"instance. Received: routing={identifier!r}"
     )
 
 
 __all__ = ["ConnectionistRouting", "DynamicRouting", "EMRouting", "GenerativeRouting", "Routing", "RoutingResult",
-           "SimilarityRouting", "SparseInferenceRouting", "TopDownAttention", "get"]
+           "SimilarityRouting", "SparseInferenceRouting", "TopDownAttention", "get", "names"]
