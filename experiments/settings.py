@@ -77,8 +77,8 @@ class Spec:
         An optional number or flag also takes `none_word` for None (`l1="auto"`); for a text
         setting the word is text (a folder may be called "none").
         """
-        if self.optional and (value is None or (self.kind is not str and value == self.none_word
-                                                and isinstance(value, str))):
+        names_none = isinstance(value, str) and self.kind is not str and value == self.none_word
+        if self.optional and (value is None or names_none):
             return None
         if value is None:
             self._fail(name, value)
