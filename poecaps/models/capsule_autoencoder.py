@@ -147,7 +147,7 @@ import tensorflow as tf
 from keras import ops
 
 from poecaps import compositing, concrete, frames, graphs
-from poecaps.layers.set_attention import AttentionPooling, InducedSetAttention
+from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
 from poecaps.validation import check_image_batch
 
