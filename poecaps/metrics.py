@@ -432,6 +432,9 @@ def hoyer_sparsity(scores):
     `(sqrt(n) - |s|_1 / |s|_2) / (sqrt(n) - 1)` per vector; an all-zero
     vector, where the ratio is undefined, counts as 1 (nothing is on).
     """
+    scores = np.asarray(scores, "float64")
+    if scores.ndim < 1 or scores.shape[-1] < 2:
+        raise ValueError(f"hoyer_sparsity needs score vectors of at least 2 entries. Received shape {scores.shape}")
     n = scores.shape[-1]
     l1 = np.sum(np.abs(scores), axis=-1)
     l2 = np.sqrt(np.sum(np.square(scores), axis=-1))

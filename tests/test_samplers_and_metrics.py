@@ -338,3 +338,14 @@ def test_mean_directions_hand_computed():
     np.testing.assert_allclose(metrics.mean_directions(upper), expected, rtol=1e-9)
     with pytest.raises(ValueError, match="N, J, D"):
         metrics.mean_directions(upper[0])
+
+
+def test_hoyer_sparsity_by_hand():
+    assert metrics.hoyer_sparsity(np.ones((3, 4))) == pytest.approx(0.0, abs=1e-12)        # all equal
+    assert metrics.hoyer_sparsity(np.array([0.0, -3.0, 0.0, 0.0])) == pytest.approx(1.0)   # one entry on
+    assert metrics.hoyer_sparsity(np.zeros((2, 5))) == 1.0                                # nothing on
+    # [1, 1, 0, 0]: |s|_1 / |s|_2 = 2 / sqrt(2), so (2 - sqrt(2)) / (2 - 1); the mean with an all-equal vector
+    half = 2.0 - np.sqrt(2.0)
+    assert metrics.hoyer_sparsity(np.array([[1.0, 1.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])) == pytest.approx(half / 2)
+    with pytest.raises(ValueError, match="at least 2 entries. Received shape"):
+        metrics.hoyer_sparsity(np.ones((4, 1)))
