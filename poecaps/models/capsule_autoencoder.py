@@ -129,7 +129,10 @@ Args:
         (False: the encoder outputs the position, reading coordinate channels).
     localisation: the weight `u >= 0` of the attention entropies in the
         training objective, in nats per part (0: none).
-    seed: seed of the encoders' initial weights.
+    seed: seed of the part encoder's initial weights and of the part
+        embedding's and the encoding layer's; the set transformer and the
+        MLP heads draw theirs from Keras' global random state, so a whole
+        model repeats after `keras.utils.set_random_seed`, as the scripts call it.
 
 Call arguments:
     images: `[B, H, W, 1]` in [0, 1].
