@@ -51,6 +51,7 @@ class IsometricPoses(keras.constraints.Constraint):
         scale = ops.sqrt(ops.trace(gram, axis1=1, axis2=2) / kernel.shape[2])  # a_j
         weights = scale[:, None] / ops.sqrt(ops.maximum(eigenvalues, self.epsilon))
         polar = ops.einsum("jop,jp,jqp->joq", vectors, weights, vectors)       # a_j (M_j M_j^T)^(-1/2)
+        # [J, D_out, D_out] x [I, J, D_out, D_in] -> [I, J, D_out, D_in]
         return ops.einsum("joq,ijqd->ijod", polar, kernel)
 
     def get_config(self):

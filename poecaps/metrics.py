@@ -151,6 +151,7 @@ def pose_second_moments(upper):
     if upper.ndim != 3 or len(upper) == 0:
         raise ValueError(f"pose_second_moments needs upper capsules [N, J, D]. Received shape {upper.shape}")
     z = np.asarray(keras.ops.convert_to_numpy(unsquash(upper.astype("float32"))), "float64")
+    # [N, J, D] x [N, J, D] -> [J, D, D], the mean of z_j z_j^T over the N images
     return np.einsum("njd,nje->jde", z, z) / len(z)
 
 

@@ -141,6 +141,7 @@ class GenerativeCapsules(keras.layers.Layer):
         u = self.predictions(v)
         u_len = tf.sqrt(tf.reduce_sum(tf.square(u), -1) + _TINY)
         x_len = tf.sqrt(tf.reduce_sum(tf.square(children), -1) + _TINY)[:, :, None]
+        # [B, I, C] x [B, I, J, C] -> [B, I, J]
         cos = tf.einsum("bic,bijc->bij", children, u) / (x_len * u_len)
         sigma = tf.exp(params["log_sigma"])
         return (params["log_c"] + params["kappa"] * cos - tf.square(x_len - u_len) / (2.0 * tf.square(sigma))
@@ -210,6 +211,7 @@ class GenerativeCapsules(keras.layers.Layer):
                 step = tf.where(better, step * 1.5, step * 0.5)
             trace.append(current)
         r = self.posterior(children, v, params)
+        # [B, I] x [B, I, J] -> [B, J]: the activation-weighted share of children each parent explains
         explained = tf.einsum("bi,bij->bj", a, r) / (tf.reduce_sum(a, -1, keepdims=True) + _TINY)
         result = RoutingResult(v, explained, r)
         return (result, tf.stack(trace)) if return_trace else result

@@ -144,6 +144,7 @@ class ProbabilisticCapsules(keras.layers.Layer):
         """Eq. 5's means `[B, N, K + 1, 6]`: `(I + A_i) M_ij` for each top capsule, I for the dummy."""
         identity = tf.constant(_IDENTITY, top_pose.dtype)
         parents = compositing.homogeneous(top_pose + identity)                                 # [B, K, 3, 3]
+        # [B, K, 3, 3] x [K, N, 3, 3] -> [B, N, K, 3, 3]: P_i M_ij
         means = compositing.flat(tf.einsum("bkxy,knyz->bnkxz", parents, compositing.homogeneous(self.offsets)))
         dummy = tf.broadcast_to(identity, tf.concat([tf.shape(means)[:2], [1, 6]], 0))
         return tf.concat([dummy, means], axis=2)

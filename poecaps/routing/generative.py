@@ -148,6 +148,7 @@ class GenerativeRouting(Routing):
         for _ in range(self.iterations):
             r = self.posterior(lengths, units, v, params)
             v = self.maximise(lengths, units, r, a, params)
+        # [B, I] x [B, I, J] -> [B, J]: the activation-weighted share of children each parent explains
         shares = tf.einsum("bi,bij->bj", a, r) / (tf.reduce_sum(a, -1, keepdims=True) + _TINY)
         return RoutingResult(v, shares, r)
 
