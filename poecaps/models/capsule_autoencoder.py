@@ -312,13 +312,13 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         h = images if self.anchored_parts else ops.concatenate([images, _coordinates(images)], axis=-1)
         for conv in self.convs:
             h = conv(h)
-        n = self.generative.num_parts
-        head = self.part_head(h)
+        n, (height, width) = self.generative.num_parts, h.shape[1:3]
+        head = ops.reshape(self.part_head(h), (-1, height, width, n, 8))
         if self.anchored_parts:          # the translation entries (2 and 5 of the pose) offset from the cell centre
             place = tf.constant([[0.0] * 3 + [1.0] + [0.0] * 4, [0.0] * 6 + [1.0, 0.0]], head.dtype)  # x -> 3, y -> 6
             anchor = ops.matmul(_coordinates(h[..., :1]), place)                   # [B, h, w, 8]
-            head = head + ops.tile(anchor, (1, 1, 1, n))
-        return ops.reshape(head, (-1, h.shape[1] * h.shape[2], n, 8)), (h.shape[1], h.shape[2])
+            head = head + anchor[:, :, :, None, :]                                 # the same offset for every part
+        return ops.reshape(head, (-1, height * width, n, 8)), (height, width)
 
     def part_attention(self, images):
         """`[B, h, w, N]`: each part's attention over the cells of the last feature map (sums to 1 per part)."""
