@@ -202,7 +202,7 @@ def main():
     curve, start = [], time.perf_counter()
     placement = keras.random.SeedGenerator(args.seed + 1)          # the stand-in's draws use `args.seed`
     for epoch in range(args.epochs):
-        shown = np.asarray(transforms.random_shift(x, args.translate, seed=placement)) if args.translate else x
+        shown = np.asarray(transforms.random_shift(x, args.translate, seed=placement))  # x itself when 0
         history = trainer.fit(shown, epochs=1, batch_size=64, verbose=0, shuffle=True)
         curve.append({k: float(v[-1]) for k, v in history.history.items()})
         print(f"epoch {epoch + 1}: bound {curve[-1]['bound']:.1f}, information {curve[-1]['top_information']:.3f}, "

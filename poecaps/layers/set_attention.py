@@ -19,9 +19,10 @@ def _check_sizes(**sizes):
             raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
 
 
-def _check_width(shape, units, what, layer):
+def _check_width(shape, units, layer):
+    """The queries X must have `units` features: the residual adds X to the attention's output."""
     if shape[-1] is not None and shape[-1] != units:
-        raise ValueError(f"{type(layer).__name__} {layer.name!r}: {what} must have `units` = {units} features "
+        raise ValueError(f"{type(layer).__name__} {layer.name!r}: x must have `units` = {units} features "
                          f"(the residual adds it to the attention's output). Received: shape={tuple(shape)}")
 
 
@@ -67,7 +68,7 @@ class MultiheadAttentionBlock(keras.layers.Layer):
         self.feed_forward = keras.layers.Dense(units, activation="relu", name="feed_forward")
 
     def build(self, x_shape, y_shape):
-        _check_width(x_shape, self.units, "x", self)
+        _check_width(x_shape, self.units, self)
         self.attention.build(x_shape, y_shape, y_shape)
         self.norm1.build(x_shape)
         self.feed_forward.build(x_shape)
@@ -117,7 +118,7 @@ class InducedSetAttention(keras.layers.Layer):
         self.broadcast = MultiheadAttentionBlock(units, heads, name="broadcast")
 
     def build(self, input_shape):
-        _check_width(input_shape, self.units, "x", self)
+        _check_width(input_shape, self.units, self)
         self.points = self.add_weight(name="inducing_points", shape=(1, self.inducing, self.units),
                                       initializer="glorot_uniform")
         summary_shape = (input_shape[0], self.inducing, self.units)
