@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from poecaps.validation import check_integer
+
 
 def _split(x, num_chunks, chunk_size, pad):
     """`[N, ...]` -> `[num_chunks, chunk_size, ...]`, zero rows appended."""
@@ -37,8 +39,7 @@ def map_in_chunks(fn, inputs, chunk_size, output_dtypes):
     Returns:
         the tuple `fn(*inputs)` would return.
     """
-    if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive integer. Received: chunk_size={chunk_size!r}")
+    chunk_size = check_integer(chunk_size, "chunk_size")
     inputs = [tf.convert_to_tensor(x) for x in inputs]
     n = tf.shape(inputs[0])[0]
     # At least one chunk: an empty batch runs one chunk of padding (map_fn fails on none).

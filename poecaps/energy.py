@@ -35,6 +35,7 @@ going through memory; `kernel_views` gives W as `[J, I*D_in, D_out]` and
 from keras import ops
 
 from poecaps.capsules import EPSILON, root, squash
+from poecaps.validation import check_integer
 
 # ---- internal, upper-capsule-major helpers ---------------------------------
 
@@ -242,8 +243,7 @@ def mix(x, kernel, c, steps=1):
 
     Returns `(x~ [B, I, D_in], z~ [B, J, D_out])`.
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1. Received: steps={steps!r}")
+    steps = check_integer(steps, "steps")
     wr, wt = kernel_views(kernel)
     x_neg, zj = mix_j(x, wr, wt, to_j_major(c), steps)
     return x_neg, ops.transpose(zj, (1, 0, 2))

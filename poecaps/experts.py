@@ -12,6 +12,7 @@ from keras import ops
 from poecaps import energy
 from poecaps.capsules import squash, unsquash
 from poecaps.layers.capsule_dense import CapsuleDense
+from poecaps.validation import check_integer
 
 # Rules of the capsule decoder, trained on (upper, lower) pairs (`CapsuleExperts.decoder_gradients`).
 DECODER_RULES = ("section41", "delta")
@@ -39,8 +40,7 @@ class EnergyModel:
     draws_random_numbers = False
 
     def cd_gradients(self, x, steps=1, chain=None, sparsity=None):
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"CD needs steps >= 1. Received: steps={steps!r}")
+        steps = check_integer(steps, "steps")
         if not self.built:
             self.build(tuple(x.shape))
         sparsity = None if sparsity is None else check_sparsity(sparsity)

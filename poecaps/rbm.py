@@ -5,6 +5,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.experts import EnergyModel
+from poecaps.validation import check_integer
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -35,9 +36,7 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
     def __init__(self, num_hidden, seed=None, **kwargs):
         kwargs.setdefault("dtype", "float32")   # energies stay float32 under mixed precision
         super().__init__(**kwargs)
-        if not isinstance(num_hidden, int) or num_hidden <= 0:
-            raise ValueError(f"num_hidden must be a positive integer. Received: num_hidden={num_hidden!r}")
-        self.num_hidden = num_hidden
+        self.num_hidden = check_integer(num_hidden, "num_hidden")
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed)
 

@@ -1,8 +1,25 @@
-"""Checks of user-supplied arrays, each failing with one `InputError` that names the argument."""
+"""Checks of user-supplied arrays and sizes, each failing with one `InputError` that names the argument."""
+
+import numbers
 
 import numpy as np
 
 from poecaps.errors import InputError
+
+
+def check_integer(value, name, minimum=1, allow_none=False):
+    """Return `value` as a Python `int` if it is an integer of at least `minimum`; else raise `InputError`.
+
+    Python and NumPy integers pass (a NumPy one comes back as `int`, so configs stay JSON-serialisable);
+    bools, floats (even 2.0) and strings do not. With `allow_none`, None passes through unchanged.
+    `InputError` is a `ValueError`.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        alternative = ", or None" if allow_none else ""
+        raise InputError(f"{name} must be an integer >= {minimum}{alternative}. Received: {name}={value!r}")
+    return int(value)
 
 
 def check_array(array, name, shape=None, low=None, high=None, what="values"):

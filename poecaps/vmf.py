@@ -18,6 +18,8 @@ import math
 
 import tensorflow as tf
 
+from poecaps.validation import check_integer
+
 SERIES_TERMS = 1024
 
 
@@ -33,8 +35,7 @@ def log_bessel_i(order, x):
 
 def vmf_log_normalizer(kappa, d):
     """`log C_d(kappa)` of the vMF on S^(d-1) (kappa > 0, any shape; `d` >= 2 an integer)."""
-    if not isinstance(d, int) or d < 2:
-        raise ValueError(f"d must be an integer >= 2. Received: d={d!r}")
+    d = check_integer(d, "d", minimum=2)
     kappa = tf.convert_to_tensor(kappa)
     k64 = tf.cast(kappa, tf.float64)
     order = d / 2.0 - 1.0

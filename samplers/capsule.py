@@ -4,6 +4,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.capsules import squash
+from poecaps.validation import check_integer
 
 # Each domain's half of capsule space: the pipeline array that picks it (None: the whole space).
 DOMAINS = {"full": None, "restricted": "mean_directions", "winning": "winning_axes"}
@@ -40,8 +41,7 @@ class CapsuleSampler:
         self.seed = seed
 
     def sample(self, rows=4, domain="full", batch_size=64):
-        if not isinstance(rows, int) or rows < 1:
-            raise ValueError(f"rows must be an integer >= 1. Received: rows={rows!r}")
+        rows = check_integer(rows, "rows")
         if domain not in DOMAINS:
             raise ValueError(f"domain must be one of {tuple(DOMAINS)}. Received: domain={domain!r}")
         num_caps, dim = self.pipeline.num_upper, self.pipeline.upper_dim

@@ -1,7 +1,9 @@
 """Every bad input gets one clear error naming the argument and what was expected."""
 
 import gzip
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -19,12 +21,31 @@ from poecaps.experiments.configs import (
     RunOptions,
 )
 from poecaps.experts import CapsuleExperts
-from poecaps.layers import PrimaryCapsules
-from poecaps.models import CapsNet
-from poecaps.routing import EMRouting
+from poecaps.layers import (
+    CapsuleDense,
+    ConvAutoencoder,
+    ConvCapsules,
+    PrimaryCapsules,
+    PrimaryMatrixCapsules,
+)
+from poecaps.models import (
+    CapsNet,
+    GenerativeCapsules,
+    ProbabilisticCapsules,
+    VariationalAutoencoder,
+)
+from poecaps.rbm import BernoulliRBM
+from poecaps.routing import (
+    ConnectionistRouting,
+    DynamicRouting,
+    EMRouting,
+    SimilarityRouting,
+    TopDownAttention,
+)
 from poecaps.trainers.cd import CDTrainer, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.supervised import SupervisedTrainer
+from poecaps.validation import check_integer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,7 +155,7 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: RunOptions(precision="float8"), r"precision must be one of .*Received: precision='float8'"),
     (lambda: RunOptions(save_every=-5), r"save_every must be an integer >= 0. Received: save_every=-5"),
     (lambda: default_optimizer(learning_rate=0.0), r"learning_rate must be positive"),
-    (lambda: CDTrainer(CapsuleExperts(2, 3), steps=0), r"CD needs steps >= 1. Received: steps=0"),
+    (lambda: CDTrainer(CapsuleExperts(2, 3), steps=0), r"steps must be an integer >= 1. Received: steps=0"),
 ])
 def test_bad_names_sizes_and_hyperparameters(build, message):
     with pytest.raises(ValueError, match=message):
@@ -155,3 +176,45 @@ def test_bad_input_in_a_script_is_one_line_without_a_stack_trace(tmp_path):
     assert result.returncode == 2
     assert "error: learning_rate must be a number > 0. Received: learning_rate=-1.0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_check_integer_accepts_python_and_numpy_integers_and_refuses_the_rest():
+    assert check_integer(3, "n") == 3
+    assert type(check_integer(np.int64(3), "n")) is int
+    assert check_integer(0, "n", minimum=0) == 0
+    assert check_integer(None, "n", allow_none=True) is None
+    for value in (True, False, 2.0, "3", None, 0, np.float32(3.0)):
+        with pytest.raises(InputError, match="^" + re.escape(f"n must be an integer >= 1. Received: n={value!r}") + "$"):
+            check_integer(value, "n")
+    with pytest.raises(InputError, match=r"^n must be an integer >= 2, or None\. Received: n=1$"):
+        check_integer(1, "n", minimum=2, allow_none=True)
+
+
+# Every size that a layer, model or routing stores, with the name its config gives it.
+SIZES = [
+    (lambda v: CapsuleDense(v, 8), "num_capsules"),
+    (lambda v: CapsuleDense(4, v), "capsule_dim"),
+    (lambda v: ConvCapsules(v, 16), "num_capsules"),
+    (lambda v: ConvCapsules(4, 16, kernel_size=v), "kernel_size"),
+    (lambda v: ConvCapsules(4, 16, chunk_size=v), "chunk_size"),
+    (lambda v: PrimaryMatrixCapsules(v), "num_capsules"),
+    (lambda v: PrimaryCapsules(capsule_dim=v), "capsule_dim"),
+    (lambda v: ConvAutoencoder(filters=v), "filters"),
+    (lambda v: BernoulliRBM(v), "num_hidden"),
+    (lambda v: DynamicRouting(iterations=v), "iterations"),
+    (lambda v: ConnectionistRouting(units=v), "units"),
+    (lambda v: SimilarityRouting(num_kernels=v), "num_kernels"),
+    (lambda v: TopDownAttention(iterations=v), "iterations"),
+    (lambda v: GenerativeCapsules(v, 4, 3), "num_parents"),
+    (lambda v: ProbabilisticCapsules(num_top=v), "num_top"),
+    (lambda v: VariationalAutoencoder(latent=v), "latent"),
+]
+
+
+@pytest.mark.parametrize("make, name", SIZES)
+def test_sizes_refuse_bools_and_store_numpy_integers_as_int(make, name):
+    with pytest.raises(ValueError, match=rf"{name} must be an integer >= [01](, or None)?\. Received: {name}=True"):
+        make(True)
+    config = make(np.int64(3)).get_config()
+    assert config[name] == 3 and type(config[name]) is int
+    json.dumps(config, default=lambda value: pytest.fail(f"{name}: not JSON-serialisable: {value!r}"))

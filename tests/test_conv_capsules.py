@@ -84,11 +84,11 @@ def test_primary_matrix_capsules_shapes(rng):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: ConvCapsules(0), "num_capsules must be a positive integer"),
+    (lambda: ConvCapsules(0), "num_capsules must be an integer >= 1"),
     (lambda: ConvCapsules(4, 15), "square capsule_dim"),
-    (lambda: ConvCapsules(4, 16, kernel_size=0), "kernel_size must be a positive integer"),
+    (lambda: ConvCapsules(4, 16, kernel_size=0), "kernel_size must be an integer >= 1"),
     (lambda: CapsuleDense(4, 16, pose="tensor"), "pose must be one of"),
-    (lambda: PrimaryMatrixCapsules(0), "num_capsules must be a positive integer"),
+    (lambda: PrimaryMatrixCapsules(0), "num_capsules must be an integer >= 1"),
 ])
 def test_invalid_arguments(make, message):
     with pytest.raises(ValueError, match=message):
@@ -212,7 +212,7 @@ def test_chunked_routing_equals_whole_batch(rng, routing_name, pose, chunk_size,
 
 
 def test_chunk_size_is_checked_and_serialised():
-    with pytest.raises(ValueError, match="chunk_size must be None or a positive integer"):
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1, or None"):
         ConvCapsules(3, 16, chunk_size=0)
     layer = ConvCapsules(3, 16, chunk_size=7)
     again = ConvCapsules.from_config(layer.get_config())

@@ -202,7 +202,7 @@ def test_registered_by_name_and_validated():
         SimilarityRouting(entropy_weight=-1)
     with pytest.raises(ValueError, match="Received: units=0"):
         ConnectionistRouting(units=0)
-    with pytest.raises(ValueError, match="compatibility_hidden must be a sequence"):
+    with pytest.raises(ValueError, match=r"compatibility_hidden\[1\] must be an integer >= 1. Received: compatibility_hidden\[1\]=0"):
         ConnectionistRouting(compatibility_hidden=(4, 0))
 
 

@@ -3,6 +3,8 @@
 import keras
 import tensorflow as tf
 
+from poecaps.validation import check_integer
+
 
 class GenerativeCapsuleTrainer(keras.Model):
     """Learns `GenerativeCapsules`' G, kappa, sigma and mixing weights by generalised EM (Kiefer et al., spec).
@@ -24,10 +26,8 @@ class GenerativeCapsuleTrainer(keras.Model):
 
     def __init__(self, layer, iterations=10, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(iterations, int) or iterations < 1:
-            raise ValueError(f"iterations must be an integer >= 1. Received: iterations={iterations!r}")
         self.layer = layer
-        self.iterations = iterations
+        self.iterations = check_integer(iterations, "iterations")
         self.bound_tracker = keras.metrics.Mean(name="bound_per_child")
         self.entropy_tracker = keras.metrics.Mean(name="coefficient_entropy")
 

@@ -6,7 +6,7 @@ from keras import ops
 
 from poecaps import distribute, transforms
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
-from poecaps.validation import check_images, check_labels
+from poecaps.validation import check_images, check_integer, check_labels
 
 
 class SupervisedTrainer(keras.Model):
@@ -36,10 +36,8 @@ class SupervisedTrainer(keras.Model):
 
     def __init__(self, network, max_shift=0, seed=0, shards=1, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(shards, int) or shards < 1:
-            raise ValueError(f"shards must be an integer >= 1. Received: shards={shards!r}")
-        if not isinstance(max_shift, int) or max_shift < 0:
-            raise ValueError(f"max_shift must be an integer >= 0. Received: max_shift={max_shift!r}")
+        shards = check_integer(shards, "shards")
+        max_shift = check_integer(max_shift, "max_shift", minimum=0)
         self.network = network
         self.max_shift = max_shift
         self.seed = seed

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import distribute
+from poecaps.validation import check_integer
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -34,10 +35,8 @@ class ConvAutoencoder(keras.layers.Layer):
     def __init__(self, filters=128, kernel_size=9, strides=2, dropout=0.1,
                  negative_slope=0.2, seed=None, **kwargs):
         super().__init__(**kwargs)
-        for name, value in (("filters", filters), ("kernel_size", kernel_size),
-                            ("strides", strides)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+        filters, kernel_size, strides = (check_integer(value, name) for name, value in (
+            ("filters", filters), ("kernel_size", kernel_size), ("strides", strides)))
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1). Received: dropout={dropout}")
         self.filters = filters

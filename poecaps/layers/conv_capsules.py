@@ -17,6 +17,7 @@ from poecaps.layers.capsule_dense import (
     pose_size,
 )
 from poecaps.routing.base import RoutingResult
+from poecaps.validation import check_integer
 
 
 def _check_capsule_map(input_shape, layer):
@@ -49,9 +50,8 @@ class _CapsuleMapLayer(keras.layers.Layer):
     def __init__(self, num_capsules, capsule_dim, routing, pose, kernel_initializer, frobenius_votes=False,
                  **kwargs):
         super().__init__(**kwargs)
-        for name, value in (("num_capsules", num_capsules), ("capsule_dim", capsule_dim)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+        num_capsules = check_integer(num_capsules, "num_capsules")
+        capsule_dim = check_integer(capsule_dim, "capsule_dim")
         pose_size(capsule_dim, pose)
         self.num_capsules = num_capsules
         self.capsule_dim = capsule_dim
@@ -126,15 +126,9 @@ class ConvCapsules(_CapsuleMapLayer):
     def __init__(self, num_capsules, capsule_dim=16, kernel_size=3, strides=1, routing="em",
                  pose="matrix", kernel_initializer=None, chunk_size=None, **kwargs):
         super().__init__(num_capsules, capsule_dim, routing, pose, kernel_initializer, **kwargs)
-        for name, value in (("kernel_size", kernel_size), ("strides", strides)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
-            raise ValueError(
-                f"chunk_size must be None or a positive integer. Received: chunk_size={chunk_size!r}")
-        self.kernel_size = kernel_size
-        self.strides = strides
-        self.chunk_size = chunk_size
+        self.kernel_size = check_integer(kernel_size, "kernel_size")
+        self.strides = check_integer(strides, "strides")
+        self.chunk_size = check_integer(chunk_size, "chunk_size", allow_none=True)
 
     def build(self, inputs_shape, activations_shape=None):
         input_shape = inputs_shape
@@ -270,13 +264,9 @@ class PrimaryMatrixCapsules(keras.layers.Layer):
 
     def __init__(self, num_capsules, pose_side=4, kernel_size=1, **kwargs):
         super().__init__(**kwargs)
-        for name, value in (("num_capsules", num_capsules), ("pose_side", pose_side),
-                            ("kernel_size", kernel_size)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
-        self.num_capsules = num_capsules
-        self.pose_side = pose_side
-        self.kernel_size = kernel_size
+        self.num_capsules = num_capsules = check_integer(num_capsules, "num_capsules")
+        self.pose_side = pose_side = check_integer(pose_side, "pose_side")
+        self.kernel_size = kernel_size = check_integer(kernel_size, "kernel_size")
         self.pose_conv = keras.layers.Conv2D(num_capsules * pose_side * pose_side, kernel_size,
                                              name="pose_conv")
         self.activation_conv = keras.layers.Conv2D(num_capsules, kernel_size,

@@ -3,6 +3,7 @@
 import keras
 
 from poecaps.capsules import primary_capsules, squash
+from poecaps.validation import check_integer
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -22,10 +23,7 @@ class PrimaryCapsules(keras.layers.Layer):
 
     def __init__(self, capsule_dim=8, squash=True, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(capsule_dim, int) or capsule_dim <= 0:
-            raise ValueError(
-                f"capsule_dim must be a positive integer. Received: capsule_dim={capsule_dim!r}")
-        self.capsule_dim = capsule_dim
+        self.capsule_dim = check_integer(capsule_dim, "capsule_dim")
         self.squash = squash
 
     def build(self, input_shape):

@@ -12,11 +12,12 @@ vectors. Every block is permutation-equivariant in X (PMA invariant).
 import keras
 from keras import ops
 
+from poecaps.validation import check_integer
+
 
 def _check_sizes(**sizes):
     for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+        check_integer(value, name)
 
 
 def _check_width(shape, units, layer):

@@ -8,14 +8,14 @@ from keras import ops
 from poecaps import losses
 from poecaps.layers import CapsuleDense, PrimaryCapsules
 from poecaps.routing import DynamicRouting
+from poecaps.validation import check_integer
 
 
 def check_classifier_arguments(image_shape, num_classes):
     """`ValueError` unless `image_shape` is (H, W, C) and `num_classes` an integer >= 2."""
     if len(image_shape) != 3 or min(image_shape) <= 0:
         raise ValueError(f"image_shape must be (height, width, channels). Received: image_shape={image_shape}")
-    if not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"num_classes must be an integer >= 2. Received: num_classes={num_classes}")
+    check_integer(num_classes, "num_classes", minimum=2)
 
 
 @keras.saving.register_keras_serializable(package="poecaps")

@@ -152,7 +152,7 @@ from keras import ops
 from poecaps import compositing, concrete, frames, graphs
 from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
-from poecaps.validation import check_image_batch
+from poecaps.validation import check_image_batch, check_integer
 
 
 def _coordinates(images):
@@ -462,8 +462,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         `variational_parameters`. Returns the refined parameters (the dict of
         `variational_parameters`).
         """
-        if not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"steps must be an integer >= 0. Received: steps={steps!r}")
+        steps = check_integer(steps, "steps", minimum=0)
         if not 0.0 < float(learning_rate) < float("inf"):
             raise ValueError(f"learning_rate must be a finite number > 0. Received: learning_rate={learning_rate!r}")
         if optimizer not in OPTIMIZERS:

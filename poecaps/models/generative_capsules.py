@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from poecaps import vmf
 from poecaps.routing.base import RoutingResult
+from poecaps.validation import check_integer
 
 _TINY = 1e-9
 
@@ -71,11 +72,10 @@ class GenerativeCapsules(keras.layers.Layer):
     def __init__(self, num_parents, parent_dim, child_dim, em_iterations=20, pose_steps=5, kappa=10.0,
                  sigma=0.1, seed=None, **kwargs):
         super().__init__(**kwargs)
-        for name, value, low in (("num_parents", num_parents, 1), ("parent_dim", parent_dim, 1),
-                                 ("child_dim", child_dim, 2), ("em_iterations", em_iterations, 1),
-                                 ("pose_steps", pose_steps, 0)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}. Received: {name}={value!r}")
+        num_parents, parent_dim, child_dim, em_iterations, pose_steps = (
+            check_integer(value, name, minimum=low) for name, value, low in (
+                ("num_parents", num_parents, 1), ("parent_dim", parent_dim, 1), ("child_dim", child_dim, 2),
+                ("em_iterations", em_iterations, 1), ("pose_steps", pose_steps, 0)))
         for name, value in (("kappa", kappa), ("sigma", sigma)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive. Received: {name}={value}")

@@ -4,6 +4,8 @@ import collections
 
 import keras
 
+from poecaps.validation import check_integer
+
 RoutingResult = collections.namedtuple("RoutingResult", ["poses", "activations", "coefficients"])
 RoutingResult.__doc__ = """What a routing procedure returns.
 
@@ -33,11 +35,7 @@ class Routing(keras.layers.Layer):
 
     def __init__(self, iterations=3, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(iterations, int) or iterations < 0:
-            raise ValueError(
-                f"iterations must be a non-negative integer. Received: iterations={iterations!r}"
-            )
-        self.iterations = iterations
+        self.iterations = check_integer(iterations, "iterations", minimum=0)
         # votes of another rank are refused by Keras with the layer's name and both ranks
         self.input_spec = keras.InputSpec(ndim=4)
 

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps.routing.base import Routing, RoutingResult
+from poecaps.validation import check_integer
 
 
 def _mlp(hidden, name, seed):
@@ -22,10 +23,7 @@ def _rows_times(x, w):
 
 
 def _check_hidden(name, hidden):
-    hidden = tuple(hidden)
-    if any(not isinstance(units, int) or units < 1 for units in hidden):
-        raise ValueError(f"{name} must be a sequence of positive integers. Received: {name}={hidden!r}")
-    return hidden
+    return tuple(check_integer(units, f"{name}[{i}]") for i, units in enumerate(hidden))
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -87,9 +85,7 @@ class ConnectionistRouting(Routing):
     def __init__(self, iterations=3, units=16, compatibility_hidden=(), activation_hidden=(), seed=None,
                  **kwargs):
         super().__init__(iterations=iterations, **kwargs)
-        if not isinstance(units, int) or units < 1:
-            raise ValueError(f"units must be a positive integer. Received: units={units!r}")
-        self.units = units
+        self.units = check_integer(units, "units")
         self.compatibility_hidden = _check_hidden("compatibility_hidden", compatibility_hidden)
         self.activation_hidden = _check_hidden("activation_hidden", activation_hidden)
         self.seed = seed

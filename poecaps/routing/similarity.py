@@ -7,6 +7,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.routing.base import Routing, RoutingResult
+from poecaps.validation import check_integer
 
 # Frobenius-normalised votes have |V| <= 1, so vote-to-pose distances are of order 1: the
 # default length scales spread around this distance (spec: {0.25, 0.5, 1, 2} times it).
@@ -116,8 +117,7 @@ class SimilarityRouting(Routing):
                  prior_weight=1.0, kernel_weight=None, activation_bias=1.0, divergence_weight=None,
                  seed=None, **kwargs):
         super().__init__(iterations=iterations, **kwargs)
-        if not isinstance(num_kernels, int) or num_kernels < 1:
-            raise ValueError(f"num_kernels must be a positive integer. Received: num_kernels={num_kernels!r}")
+        num_kernels = check_integer(num_kernels, "num_kernels")
         if length_scales is not None:
             length_scales = [float(x) for x in length_scales]
             if len(length_scales) != num_kernels or min(length_scales) <= 0:

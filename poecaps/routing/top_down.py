@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from poecaps.validation import check_integer
+
 
 @keras.saving.register_keras_serializable(package="poecaps")
 class TopDownAttention(keras.layers.Layer):
@@ -35,8 +37,7 @@ class TopDownAttention(keras.layers.Layer):
 
     def __init__(self, iterations=3, beta=1.0, accumulate=False, trainable_beta=False, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(iterations, int) or iterations < 1:
-            raise ValueError(f"iterations must be an integer >= 1. Received: iterations={iterations!r}")
+        iterations = check_integer(iterations, "iterations")
         if not beta > 0:
             raise ValueError(f"beta must be positive. Received: beta={beta}")
         self.iterations = iterations
