@@ -22,6 +22,11 @@ def check_integer(value, name, minimum=1, allow_none=False):
     return int(value)
 
 
+def check_integers(minimum=1, **values):
+    """`check_integer` of each keyword argument, named by its keyword; returns the ints in the same order."""
+    return tuple(check_integer(value, name, minimum) for name, value in values.items())
+
+
 def check_array(array, name, shape=None, low=None, high=None, what="values"):
     """Check that `array` is a non-empty finite float array of `[N, *shape]` within [low, high].
 

@@ -7,7 +7,7 @@ from keras import ops
 
 from poecaps.experiments.baselines import train_shards
 from poecaps.experiments.configs import BaselineConfig
-from poecaps.models import CapsNet, MatrixCapsNet
+from poecaps.models import CapsNet, MatrixCapsNet, RoutingCapsNet
 from poecaps.trainers.shards import default_shards
 from poecaps.trainers.supervised import SupervisedTrainer
 
@@ -130,11 +130,38 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
     (CapsNet, {"image_shape": (28, 28), "num_classes": 10}, "image_shape must be"),
     (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 1}, "num_classes must be"),
     (MatrixCapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "routing_iterations": 0},
-     "at least one M-step"),
+     r"routing_iterations must be an integer >= 1\. Received: routing_iterations=0"),
+    (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "primary_dim": 0},
+     r"primary_dim must be an integer >= 1\. Received: primary_dim=0"),
+    (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "conv_filters": True},
+     r"conv_filters must be an integer >= 1\. Received: conv_filters=True"),
+    (RoutingCapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "chunk_capsules": 0},
+     r"chunk_capsules must be an integer >= 1, or None\. Received: chunk_capsules=0"),
+    # CapsNet: two unpadded 15 x 15 convolutions, the second of stride 2, need 15 + (15 - 1) = 29 pixels
+    (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "kernel_size": 15},
+     r"need at least 29 x 29 pixels\. Received: image_shape=\(28, 28, 1\)"),
+    # conv1 5/2, primary 1/1, ConvCaps1 3/2, ConvCaps2 3/1: 16 -> 6 -> 6 -> 2 -> 0 positions
+    (MatrixCapsNet, {"image_shape": (16, 16, 1), "num_classes": 10, "a": 4, "b": 2, "c": 2, "d": 2},
+     r"need at least 17 x 17 pixels"),
+    (RoutingCapsNet, {"image_shape": (28, 16, 1), "num_classes": 10, "filters": 4, "primary_types": 2,
+                      "conv_types": 2}, r"need at least 17 x 17 pixels"),
 ])
 def test_invalid_arguments(make, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(**kwargs)
+
+
+@pytest.mark.parametrize("make, kwargs", [
+    # the smallest images the checks above let through: each network runs on them (one position left)
+    (CapsNet, {"image_shape": (29, 29, 1), "kernel_size": 15, "conv_filters": 4, "primary_types": 2}),
+    (MatrixCapsNet, {"image_shape": (17, 17, 1), "a": 4, "b": 2, "c": 2, "d": 2}),
+    (RoutingCapsNet, {"image_shape": (17, 17, 1), "filters": 4, "primary_types": 2, "conv_types": 2}),
+])
+def test_the_smallest_image_allowed_runs_and_sizes_are_stored_as_int(make, kwargs):
+    network = make(num_classes=np.int64(3), **kwargs)
+    scores = ops.convert_to_numpy(network(np.zeros((2, *kwargs["image_shape"]), "float32"))["scores"])
+    assert scores.shape == (2, 3) and np.isfinite(scores).all()
+    assert type(network.get_config()["num_classes"]) is int
 
 
 @pytest.mark.parametrize("kwargs, message", [({"shards": 0}, "shards=0"), ({"max_shift": -1}, "max_shift=-1")])

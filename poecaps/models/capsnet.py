@@ -6,16 +6,31 @@ import keras
 from keras import ops
 
 from poecaps import losses
+from poecaps.errors import InputError
 from poecaps.layers import CapsuleDense, PrimaryCapsules
 from poecaps.routing import DynamicRouting
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_integers
 
 
-def check_classifier_arguments(image_shape, num_classes):
-    """`ValueError` unless `image_shape` is (H, W, C) and `num_classes` an integer >= 2."""
+def check_classifier_arguments(image_shape, num_classes, convolutions=()):
+    """Return `num_classes` as an int; `ValueError` unless it is an integer >= 2, `image_shape` is (H, W, C),
+    and H and W leave at least one position after the network's unpadded `convolutions` ((kernel, stride)
+    pairs, bottom up).
+
+    An unpadded convolution maps a side n to floor((n - kernel) / stride) + 1, so the smallest side that
+    leaves one position is found top down: n_in = (n_out - 1) * stride + kernel, from n_out = 1.
+    """
     if len(image_shape) != 3 or min(image_shape) <= 0:
         raise ValueError(f"image_shape must be (height, width, channels). Received: image_shape={image_shape}")
-    check_integer(num_classes, "num_classes", minimum=2)
+    num_classes = check_integer(num_classes, "num_classes", minimum=2)
+    side = 1
+    for kernel, stride in reversed(convolutions):
+        side = (side - 1) * stride + kernel
+    if min(image_shape[:2]) < side:
+        raise InputError(f"image_shape is too small: the network's unpadded convolutions (kernel, stride) "
+                         f"{tuple(convolutions)} need at least {side} x {side} pixels. "
+                         f"Received: image_shape={tuple(image_shape)}")
+    return num_classes
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -55,10 +70,13 @@ class CapsNet(keras.Model):
                  reconstruction_weight=0.0005, conv_filters=256, primary_types=32, primary_dim=8,
                  class_dim=16, kernel_size=9, seed=0, **kwargs):
         super().__init__(**kwargs)
-        check_classifier_arguments(image_shape, num_classes)
+        conv_filters, primary_types, primary_dim, class_dim, kernel_size = check_integers(
+            conv_filters=conv_filters, primary_types=primary_types, primary_dim=primary_dim,
+            class_dim=class_dim, kernel_size=kernel_size)
+        num_classes = check_classifier_arguments(image_shape, num_classes, ((kernel_size, 1), (kernel_size, 2)))
         self.image_shape = tuple(image_shape)
         self.num_classes = num_classes
-        self.routing_iterations = routing_iterations
+        self.routing_iterations = check_integer(routing_iterations, "routing_iterations", minimum=0)
         self.reconstruction = reconstruction
         self.reconstruction_weight = reconstruction_weight
         self.conv_filters = conv_filters

@@ -8,10 +8,13 @@ from poecaps.initializers import NearIdentity
 from poecaps.layers import ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
 from poecaps.routing import EMRouting
+from poecaps.validation import check_integer, check_integers
 
 # Lower capsules per chunk in the convolutional capsule layers: the chunk's
 # votes, 1024 x J x 16 floats, stay in the CPU's caches (bench/em_step.py).
 CHUNK_CAPSULES = 1024
+# the unpadded convolutions (kernel, stride), bottom up: conv1, primary capsules, ConvCaps1, ConvCaps2
+CONVOLUTIONS = ((5, 2), (1, 1), (3, 2), (3, 1))
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -56,10 +59,11 @@ class MatrixCapsNet(keras.Model):
                  final_lambda=1.0, cost_normalization="standardize", margin_steps=10000, batch_norm=False,
                  kernel_initializer=None, chunk_capsules=CHUNK_CAPSULES, **kwargs):
         super().__init__(**kwargs)
-        check_classifier_arguments(image_shape, num_classes)
+        a, b, c, d, margin_steps = check_integers(a=a, b=b, c=c, d=d, margin_steps=margin_steps)
+        num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
         self.image_shape = tuple(image_shape)
         self.num_classes = num_classes
-        self.routing_iterations = routing_iterations
+        self.routing_iterations = routing_iterations = check_integer(routing_iterations, "routing_iterations")
         self.a, self.b, self.c, self.d = a, b, c, d
         self.final_lambda = final_lambda
         self.cost_normalization = cost_normalization
@@ -67,7 +71,7 @@ class MatrixCapsNet(keras.Model):
         self.batch_norm = batch_norm
         self.kernel_initializer = keras.initializers.get(
             kernel_initializer or NearIdentity(0.1))
-        self.chunk_capsules = chunk_capsules
+        self.chunk_capsules = chunk_capsules = check_integer(chunk_capsules, "chunk_capsules", allow_none=True)
         chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
         em = lambda name: EMRouting(routing_iterations, final_lambda,
                                     cost_normalization=cost_normalization, name=name)

@@ -10,8 +10,11 @@ from poecaps import routing as routing_lib
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
+from poecaps.validation import check_integer, check_integers
 
 LOSSES = ("cross_entropy", "scaled_cross_entropy", "spread", "margin")
+# the unpadded convolutions (kernel, stride), bottom up: conv1, primary capsules, ConvCaps1, ConvCaps2
+CONVOLUTIONS = ((5, 2), (1, 1), (3, 2), (3, 1))
 # Per capsule layer (ConvCaps1, ConvCaps2, class layer): the paper's settings of each learned router
 # (section 5: Q = 4, 4, 10 Gaussians; Table 2: the hidden sizes of f_c and f_a).
 # Similarity routing starts at lambda1 = 1 and theta1 = 1, not the author's 12 and N(0, 0.1): with those
@@ -121,7 +124,11 @@ class RoutingCapsNet(keras.Model):
                  loss="cross_entropy", logit_scale=1.0, margin_steps=10000, filters=64, primary_types=8, conv_types=16,
                  chunk_capsules=None, seed=0, **kwargs):
         super().__init__(**kwargs)
-        check_classifier_arguments(image_shape, num_classes)
+        filters, primary_types, conv_types, margin_steps = check_integers(
+            filters=filters, primary_types=primary_types, conv_types=conv_types, margin_steps=margin_steps)
+        routing_iterations = check_integer(routing_iterations, "routing_iterations", minimum=0)
+        chunk_capsules = check_integer(chunk_capsules, "chunk_capsules", allow_none=True)
+        num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}. Received: loss={loss!r}")
         if not logit_scale > 0:
