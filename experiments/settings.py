@@ -11,6 +11,7 @@ TensorFlow, so that `--help` answers at once.
 import dataclasses
 import difflib
 import math
+import numbers
 
 from poecaps.errors import InputError
 
@@ -72,7 +73,8 @@ class Spec:
         return text + (f", or {self.none_word}" if self.optional else "")
 
     def check(self, name, value):
-        """`value` if it obeys the rules (ints accepted for floats, as floats); else `SettingError`.
+        """`value` if it obeys the rules (ints accepted for floats, as floats; NumPy numbers as Python
+        ones); else `SettingError`.
 
         An optional number or flag also takes `none_word` for None (`l1="auto"`); for a text
         setting the word is text (a folder may be called "none").
@@ -90,10 +92,12 @@ class Spec:
             if not isinstance(value, str) or (self.choices and value not in self.choices) or not value:
                 self._fail(name, value)
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):    # NumPy numbers too
             self._fail(name, value)
-        if self.kind is int and not isinstance(value, int):
-            self._fail(name, value)
+        if self.kind is int:
+            if not isinstance(value, numbers.Integral):
+                self._fail(name, value)
+            value = int(value)
         if self.kind is float:
             value = float(value)
             if not math.isfinite(value):

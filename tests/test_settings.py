@@ -2,7 +2,9 @@
 
 import argparse
 import dataclasses
+import json
 
+import numpy as np
 import pytest
 
 from poecaps.experiments import cli, presets
@@ -52,6 +54,18 @@ def test_parse_reads_command_line_text(kind, text, value):
     rules = {"minimum": 0} if kind in (int, float) else {"choices": ("delta",)} if kind is str else {}
     parsed = Spec(kind, "x", **rules).parse("x", text)
     assert parsed == value and type(parsed) is kind
+
+
+def test_numpy_numbers_are_taken_as_python_numbers_and_the_config_stays_json():
+    config = LayerwiseConfig(num_capsules=np.int64(12), dropout=np.float32(0.25), cd_learning_rate=np.int32(2))
+    assert (config.num_capsules, config.dropout, config.cd_learning_rate) == (12, 0.25, 2.0)
+    assert [type(v) for v in (config.num_capsules, config.dropout, config.cd_learning_rate)] == [int, float, float]
+    json.dumps(dataclasses.asdict(config))
+    for values, message in (({"num_capsules": np.float64(12.0)}, "num_capsules must be an integer >= 1"),
+                            ({"num_capsules": np.bool_(True)}, "num_capsules must be an integer >= 1"),
+                            ({"dropout": np.float32("nan")}, "dropout must be a number >= 0 and < 1")):
+        with pytest.raises(SettingError, match=message):
+            LayerwiseConfig(**values)
 
 
 @pytest.mark.parametrize("values, message", [
