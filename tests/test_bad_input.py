@@ -22,9 +22,12 @@ from poecaps.experiments.configs import (
 )
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import (
+    AttentionPooling,
     CapsuleDense,
     ConvAutoencoder,
     ConvCapsules,
+    InducedSetAttention,
+    MultiheadAttentionBlock,
     PrimaryCapsules,
     PrimaryMatrixCapsules,
 )
@@ -208,6 +211,9 @@ SIZES = [
     (lambda v: GenerativeCapsules(v, 4, 3), "num_parents"),
     (lambda v: ProbabilisticCapsules(num_top=v), "num_top"),
     (lambda v: VariationalAutoencoder(latent=v), "latent"),
+    (lambda v: MultiheadAttentionBlock(units=6, heads=v), "heads"),
+    (lambda v: InducedSetAttention(units=6, heads=2, inducing=v), "inducing"),
+    (lambda v: AttentionPooling(units=6, heads=2, seeds=v), "seeds"),
 ]
 
 

@@ -12,12 +12,7 @@ vectors. Every block is permutation-equivariant in X (PMA invariant).
 import keras
 from keras import ops
 
-from poecaps.validation import check_integer
-
-
-def _check_sizes(**sizes):
-    for name, value in sizes.items():
-        check_integer(value, name)
+from poecaps.validation import check_integers
 
 
 def _check_width(shape, units, layer):
@@ -59,7 +54,7 @@ class MultiheadAttentionBlock(keras.layers.Layer):
 
     def __init__(self, units=128, heads=4, **kwargs):
         super().__init__(**kwargs)
-        _check_sizes(units=units, heads=heads)
+        units, heads = check_integers(units=units, heads=heads)
         if units % heads:
             raise ValueError(f"units must be a multiple of heads. Received: units={units}, heads={heads}")
         self.units, self.heads = units, heads
@@ -113,8 +108,7 @@ class InducedSetAttention(keras.layers.Layer):
 
     def __init__(self, units=128, heads=4, inducing=32, **kwargs):
         super().__init__(**kwargs)
-        _check_sizes(units=units, heads=heads, inducing=inducing)
-        self.units, self.heads, self.inducing = units, heads, inducing
+        self.units, self.heads, self.inducing = check_integers(units=units, heads=heads, inducing=inducing)
         self.summarise = MultiheadAttentionBlock(units, heads, name="summarise")
         self.broadcast = MultiheadAttentionBlock(units, heads, name="broadcast")
 
@@ -162,8 +156,7 @@ class AttentionPooling(keras.layers.Layer):
 
     def __init__(self, units=128, heads=4, seeds=1, **kwargs):
         super().__init__(**kwargs)
-        _check_sizes(units=units, heads=heads, seeds=seeds)
-        self.units, self.heads, self.seeds = units, heads, seeds
+        self.units, self.heads, self.seeds = check_integers(units=units, heads=heads, seeds=seeds)
         self.feed_forward = keras.layers.Dense(units, activation="relu", name="feed_forward")
         self.block = MultiheadAttentionBlock(units, heads, name="block")
 
