@@ -11,7 +11,7 @@ from poecaps.errors import InputError
 from poecaps.experts import DECODER_RULES, check_sparsity
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
-from poecaps.validation import check_array, check_integer
+from poecaps.validation import check_array, check_integers
 
 
 def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
@@ -110,7 +110,7 @@ class CDTrainer(keras.Model):
                  l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, shards=1,
                  population_sparsity_cost=0.0, **kwargs):
         super().__init__(**kwargs)
-        steps, shards = check_integer(steps, "steps"), check_integer(shards, "shards")
+        steps, shards = check_integers(steps=steps, shards=shards)
         if shards > 1 and getattr(model, "draws_random_numbers", False):
             raise InputError(f"{type(model).__name__} draws random numbers from one seed generator, which "
                              f"concurrent shards would share; use shards=1. Received: shards={shards}")

@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import distribute
-from poecaps.validation import check_integer
+from poecaps.validation import check_integers
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -35,8 +35,7 @@ class ConvAutoencoder(keras.layers.Layer):
     def __init__(self, filters=128, kernel_size=9, strides=2, dropout=0.1,
                  negative_slope=0.2, seed=None, **kwargs):
         super().__init__(**kwargs)
-        filters, kernel_size, strides = (check_integer(value, name) for name, value in (
-            ("filters", filters), ("kernel_size", kernel_size), ("strides", strides)))
+        filters, kernel_size, strides = check_integers(filters=filters, kernel_size=kernel_size, strides=strides)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1). Received: dropout={dropout}")
         self.filters = filters

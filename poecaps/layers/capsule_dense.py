@@ -5,7 +5,7 @@ from keras import ops
 
 from poecaps import routing as routing_lib
 from poecaps.constraints import IsometricPoses
-from poecaps.validation import check_integer
+from poecaps.validation import check_integers
 
 POSES = ("vector", "matrix")
 
@@ -99,8 +99,8 @@ class CapsuleDense(keras.layers.Layer):
                  kernel_initializer=None, kernel_regularizer=None, pose="vector", kernel_constraint=None,
                  frobenius_votes=False, **kwargs):
         super().__init__(**kwargs)
-        self.num_capsules = check_integer(num_capsules, "num_capsules")
-        self.capsule_dim = capsule_dim = check_integer(capsule_dim, "capsule_dim")
+        self.num_capsules, self.capsule_dim = check_integers(num_capsules=num_capsules, capsule_dim=capsule_dim)
+        capsule_dim = self.capsule_dim
         pose_size(capsule_dim, pose)
         self.pose = pose
         self.routing = routing_lib.get(routing)

@@ -17,7 +17,7 @@ from poecaps.layers.capsule_dense import (
     pose_size,
 )
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_integers
 
 
 def _check_capsule_map(input_shape, layer):
@@ -50,8 +50,7 @@ class _CapsuleMapLayer(keras.layers.Layer):
     def __init__(self, num_capsules, capsule_dim, routing, pose, kernel_initializer, frobenius_votes=False,
                  **kwargs):
         super().__init__(**kwargs)
-        num_capsules = check_integer(num_capsules, "num_capsules")
-        capsule_dim = check_integer(capsule_dim, "capsule_dim")
+        num_capsules, capsule_dim = check_integers(num_capsules=num_capsules, capsule_dim=capsule_dim)
         pose_size(capsule_dim, pose)
         self.num_capsules = num_capsules
         self.capsule_dim = capsule_dim
@@ -126,8 +125,7 @@ class ConvCapsules(_CapsuleMapLayer):
     def __init__(self, num_capsules, capsule_dim=16, kernel_size=3, strides=1, routing="em",
                  pose="matrix", kernel_initializer=None, chunk_size=None, **kwargs):
         super().__init__(num_capsules, capsule_dim, routing, pose, kernel_initializer, **kwargs)
-        self.kernel_size = check_integer(kernel_size, "kernel_size")
-        self.strides = check_integer(strides, "strides")
+        self.kernel_size, self.strides = check_integers(kernel_size=kernel_size, strides=strides)
         self.chunk_size = check_integer(chunk_size, "chunk_size", allow_none=True)
 
     def build(self, inputs_shape, activations_shape=None):
@@ -264,9 +262,9 @@ class PrimaryMatrixCapsules(keras.layers.Layer):
 
     def __init__(self, num_capsules, pose_side=4, kernel_size=1, **kwargs):
         super().__init__(**kwargs)
-        self.num_capsules = num_capsules = check_integer(num_capsules, "num_capsules")
-        self.pose_side = pose_side = check_integer(pose_side, "pose_side")
-        self.kernel_size = kernel_size = check_integer(kernel_size, "kernel_size")
+        num_capsules, pose_side, kernel_size = check_integers(num_capsules=num_capsules, pose_side=pose_side,
+                                                              kernel_size=kernel_size)
+        self.num_capsules, self.pose_side, self.kernel_size = num_capsules, pose_side, kernel_size
         self.pose_conv = keras.layers.Conv2D(num_capsules * pose_side * pose_side, kernel_size,
                                              name="pose_conv")
         self.activation_conv = keras.layers.Conv2D(num_capsules, kernel_size,

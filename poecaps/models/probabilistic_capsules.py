@@ -61,7 +61,7 @@ import tensorflow as tf
 
 from poecaps import compositing, concrete
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integer
+from poecaps.validation import check_integers
 
 _IDENTITY = compositing.IDENTITY
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -85,8 +85,8 @@ class ProbabilisticCapsules(keras.layers.Layer):
         image_size = tuple(int(s) for s in image_size)
         if len(image_size) != 2 or min(image_size) < 1:
             raise ValueError(f"image_size must be (height, width) >= 1. Received: image_size={image_size!r}")
-        num_top, num_parts, template_size = (check_integer(value, name) for name, value in (
-            ("num_top", num_top), ("num_parts", num_parts), ("template_size", template_size)))
+        num_top, num_parts, template_size = check_integers(num_top=num_top, num_parts=num_parts,
+                                                           template_size=template_size)
         for name, value in (("part_scale", part_scale), ("sigma", sigma), ("lambda_off", lambda_off),
                             ("rho_dummy", rho_dummy), ("c_dummy", c_dummy), ("c_min", c_min),
                             ("temperature", temperature)):

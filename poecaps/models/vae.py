@@ -28,7 +28,7 @@ import math
 import keras
 import tensorflow as tf
 
-from poecaps.validation import check_image_batch, check_integer
+from poecaps.validation import check_image_batch, check_integers
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -41,7 +41,7 @@ class VariationalAutoencoder(keras.Model):
     def __init__(self, image_size=(28, 28), latent=10, hidden=128, pixel_sigma=0.2, seed=0, **kwargs):
         super().__init__(**kwargs)
         self.image_size = tuple(int(s) for s in image_size)
-        latent, hidden = check_integer(latent, "latent"), check_integer(hidden, "hidden")
+        latent, hidden = check_integers(latent=latent, hidden=hidden)
         if not pixel_sigma > 0:
             raise ValueError(f"pixel_sigma must be > 0. Received: pixel_sigma={pixel_sigma!r}")
         self.latent, self.hidden, self.pixel_sigma, self.seed = latent, hidden, float(pixel_sigma), int(seed)
