@@ -226,7 +226,7 @@ class ProbabilisticTrainConfig(Checked):
 
     data_dir: str | None = setting(None, "folder of MNIST IDX files (e.g. ../shared/data/mnist-5k); required to "
                                    "train", kind=str)
-    epochs: int = setting(150, "epochs of each model", minimum=1)
+    epochs: int = setting(100, "epochs of each model (100: the README's runs)", minimum=1)
     batch_size: int = setting(64, "batch size", minimum=1)
     learning_rate: float = setting(1e-3, "Adam's learning rate", above=0.0)
     canvas: int = setting(40, "digits are padded to this size", minimum=1)
@@ -256,7 +256,7 @@ class GenerativeConfig(Checked):
 
     parents: int = setting(10, "parent capsules J", minimum=1)
     parent_dim: int = setting(16, "pose size of a parent", minimum=1)
-    epochs: int = setting(2, "epochs of generalised EM", minimum=1)
+    epochs: int = setting(5, "epochs of generalised EM (5: the README's run)", minimum=1)
     batch_size: int = setting(32, "children's images per EM step", minimum=1)
     learning_rate: float = setting(3e-3, "Adam's learning rate", above=0.0)
     iterations: int = setting(10, "EM iterations of every inference", minimum=1)

@@ -96,7 +96,7 @@ def _decoder(parents, images, seed, epochs=30):
     return decoder
 
 
-def train_generative(run_dir, parents=10, parent_dim=16, epochs=2, batch_size=32, learning_rate=3e-3,
+def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32, learning_rate=3e-3,
                      iterations=10, heldout=200, probe_train=1000, seed=0, resume=False):
     """Learn the generative layer on the run's primary capsules; write and return `generative.json`.
 

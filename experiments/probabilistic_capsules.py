@@ -134,7 +134,7 @@ def build_capsules(canvas, seed, specialisation=0.0, within_sparsity=0.0, betwee
 LATER_TERMS = {"specialisation": 0.0, "within_sparsity": 0.0, "between_sparsity": 0.0}
 
 
-def train_run(run_dir, epochs=150, batch_size=64, learning_rate=1e-3, canvas=40, data_dir=None, seed=0,
+def train_run(run_dir, epochs=100, batch_size=64, learning_rate=1e-3, canvas=40, data_dir=None, seed=0,
               resume=False, jit_compile=True, specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0):
     """Train the capsule model and the VAE on the same digits and budget; write and return `RUN/train.json`.
 
