@@ -92,7 +92,8 @@ def _result_grid(run, classifier, classes):
     found = {"domain": domain, "seed": seed, "rows": int(images.shape[0]),
              **_specialisation(classifier, images, classes)}
     print(f"[evaluate] the result grid (samples.npz, {domain} domain, {images.shape[0]} rows): "
-          f"{found['classes_covered']} classes, mean purity {found['mean_purity']:.3f}",
+          f"{found['classes_covered']} class{'' if found['classes_covered'] == 1 else 'es'}, "
+          f"mean purity {found['mean_purity']:.3f}",
           file=sys.stderr, flush=True)
     return found
 
