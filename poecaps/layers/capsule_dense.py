@@ -100,8 +100,7 @@ class CapsuleDense(keras.layers.Layer):
                  frobenius_votes=False, **kwargs):
         super().__init__(**kwargs)
         self.num_capsules, self.capsule_dim = check_integers(num_capsules=num_capsules, capsule_dim=capsule_dim)
-        capsule_dim = self.capsule_dim
-        pose_size(capsule_dim, pose)
+        pose_size(self.capsule_dim, pose)
         self.pose = pose
         self.routing = routing_lib.get(routing)
         self.kernel_initializer = keras.initializers.get(
