@@ -58,8 +58,7 @@ def add_shortcuts(p, kind, names):
     """Flags `--name` for the settings of a run `kind` users change most; each is `--set name=VALUE`."""
     declared = specs(presets.get(kind, next(iter(presets.names(kind)))))
     for name in names:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
-                       help=f"{declared[name].help} (--set {name}=VALUE)")
+        _add_flag(p, name, declared[name], f"{declared[name].help} (--set {name}=VALUE)")
 
 
 def config_from_args(kind, args, shortcuts=()):
@@ -81,12 +80,22 @@ def add_config_flags(p, config_cls, names=None):
         if names is not None and name not in names:
             continue
         shown = _default_shown(getattr(defaults, name), spec)
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
-                       help=spec.help + ("" if shown is None else f" (default: {shown})"))
+        _add_flag(p, name, spec, spec.help + ("" if shown is None else f" (default: {shown})"))
+
+
+def _add_flag(p, name, spec, help):
+    """`--name VALUE` for the setting `name`; a true-or-false setting's flag alone means true (`--name false` too)."""
+    if spec.kind is bool:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, nargs="?", const="true",
+                       metavar="true|false", help=help)
+    else:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE", help=help)
 
 
 def _default_shown(default, spec):
     """The default a flag's help shows: the value, or None's own word ("auto"); a plain None's meaning is in the help."""
+    if isinstance(default, bool):
+        return "true" if default else "false"
     if default is not None:
         return default
     return None if spec.none_word == "none" else spec.none_word

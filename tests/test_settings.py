@@ -182,3 +182,23 @@ def test_a_flags_help_shows_the_default_or_none_s_own_word():
     assert "--steps VALUE steps (default: 5)" in text
     assert "--l1 VALUE a weight, or auto (default: auto)" in text
     assert "--folder VALUE a folder; none: the run's" in text and "(default: None)" not in text
+
+
+def test_a_true_or_false_flag_alone_means_true_and_takes_a_word():
+    from poecaps.experiments.configs import EvaluationConfig
+
+    p = cli.parser("evaluate")
+    cli.add_config_flags(p, EvaluationConfig, ("diagnostics", "rows"))
+    read = {argv: cli.config_from_flags(EvaluationConfig, p.parse_args(argv)).diagnostics
+            for argv in ((), ("--diagnostics",), ("--diagnostics", "false"), ("--diagnostics", "true"),
+                         ("--diagnostics", "--rows", "3"))}
+    assert read == {(): False, ("--diagnostics",): True, ("--diagnostics", "false"): False,
+                    ("--diagnostics", "true"): True, ("--diagnostics", "--rows", "3"): True}
+    assert "(default: false)" in " ".join(p.format_help().split())
+    with pytest.raises(SettingError, match="diagnostics"):
+        cli.config_from_flags(EvaluationConfig, p.parse_args(["--diagnostics", "maybe"]))
+
+    shortcut = cli.parser("layer-wise", kind="layerwise", default_preset="default")
+    cli.add_shortcuts(shortcut, "layerwise", ("persistent",))
+    config, record = cli.config_from_args("layerwise", shortcut.parse_args(["--persistent"]), ("persistent",))
+    assert config.persistent is True and record["overrides"] == {"persistent": True}
