@@ -6,6 +6,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 
 
@@ -88,14 +89,23 @@ def training_curves(metrics_path, path):
 
 
 def line_panels(panels, path, title=None, xlabel="step", ylabel=None):
-    """Save small line plots: `panels` is `[[(panel title, {label: values}), ...], ...]` (rows of panels)."""
+    """Save small line plots: `panels` is `[[(panel title, {label: values}), ...], ...]` (rows of panels).
+
+    `values` is a sequence (plotted against its index) or a dict `{x: y}` (plotted at its x, with markers:
+    per-epoch curves).
+    """
     rows, cols = len(panels), max(len(row) for row in panels)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.4 * rows), squeeze=False)
     for r, row in enumerate(panels):
         for c, (name, series) in enumerate(row):
             ax = axes[r, c]
             for label, values in series.items():
-                ax.plot(np.asarray(values), label=str(label), linewidth=1)
+                if isinstance(values, dict):
+                    ax.plot(list(values), list(values.values()), label=str(label), linewidth=1, marker="o",
+                            markersize=2)
+                    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+                else:
+                    ax.plot(np.asarray(values), label=str(label), linewidth=1)
             ax.set_title(name, fontsize=8)
             ax.set_xlabel(xlabel, fontsize=7)
             if ylabel:

@@ -8,8 +8,8 @@ training and test images, and learns `GenerativeCapsules` (10 parents of
 epoch, coefficient entropy, linear probes on the inferred parents of the
 learned layer and of the same layer with its initial random G),
 `samples.png` (digits decoded from parents drawn from the prior, beside
-decoded test parents), `curve.jsonl` (the held-out curve, kept by a resumed
-call) and the layer (`models/generative.keras`, checkpoints under
+decoded test parents), `curves.png` (the held-out bound and entropy per
+epoch, drawn), `curve.jsonl` (the held-out curve, kept by a resumed call) and the layer (`models/generative.keras`, checkpoints under
 `checkpoints/generative/`).
 """
 
@@ -33,6 +33,17 @@ from poecaps.trainers.resumable import fit_resumable
 
 # The held-out curve of the layer, one JSON line per epoch, kept across resumed calls.
 CURVE = os.path.join("generative", "curve.jsonl")
+
+
+def curves_figure(record, path):
+    """Draw the layer's per-epoch `record` (`curve.jsonl`'s entries) at `path`: the held-out and training bound
+    per child, and the held-out coefficient entropy over log J; return `path`."""
+    per_epoch = lambda key: {e["epoch"]: e[key] for e in record if key in e}
+    figures.line_panels([[("bound per child (nats)", {"held out": per_epoch("heldout_bound_per_child"),
+                                                      "train (running mean)": per_epoch("train_bound_per_child")}),
+                          ("coefficient entropy / log J, held out", {"entropy": per_epoch("coefficient_entropy")})]],
+                        path, title="generalised EM (epoch 0: at initialisation)", xlabel="epoch")
+    return path
 
 
 def primary_capsules(model, images, batch_size=250):
@@ -179,5 +190,6 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
                        title="test digits; decoded from their inferred parents; decoded from parents ~ N(0, I)",
                        row_labels=["test", "inferred", "sampled"])
     result["figure"] = os.path.join(out, "samples.png")
+    result["curves_figure"] = curves_figure(record, os.path.join(out, "curves.png"))
     run.write_json(os.path.join("generative", "generative.json"), result)
     return result

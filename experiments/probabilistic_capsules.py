@@ -8,7 +8,7 @@ so that rotated and affine-transformed digits keep their corners). It
 writes `RUN/train.json`: parameter counts, the bound and reconstruction
 error per epoch on the training digits (the trainer's running means) and on
 the test digits (a fixed draw), the test MSE of predicting the mean
-training image, minutes.
+training image, minutes; and `RUN/training_curves.png`, those curves drawn.
 
 `evaluate_run(run_dir, ...)` reads the trained models and writes
 `RUN/eval.json` and the figures:
@@ -190,8 +190,32 @@ def train_run(run_dir, epochs=100, batch_size=64, learning_rate=1e-3, canvas=40,
     }
     print(f"generative parameters: {generative}; test MSE {result['test_mse']} against {mean_image_mse:.4f} "
           f"for the mean image; capsule model trained in {result['capsule_minutes']:.1f} minutes", flush=True)
+    result["figure"] = training_curves(run, curve, vae_curve, mean_image_mse)
     run.write_json("train.json", result)
     return result
+
+
+def training_curves(run, curve, vae_curve, mean_image_mse):
+    """`RUN/training_curves.png`: the bound and reconstruction error of both models per epoch, and the capsule
+    bound's terms; its path (None when no epoch is recorded)."""
+    if not curve and not vae_curve:
+        return None
+    per_epoch = lambda entries, key: {e["epoch"]: e[key] for e in entries if e.get(key) is not None}
+    models = (("capsules", curve), ("VAE", vae_curve))
+    epochs = [e["epoch"] for _, entries in models for e in entries]
+    panels = [[
+        ("bound per image (nats)", {f"{name}, {side}": per_epoch(entries, f"{side}_bound")
+                                    for name, entries in models for side in ("train", "test")}),
+        ("reconstruction MSE", {**{f"{name}, {side}": per_epoch(entries, f"{side}_mse")
+                                   for name, entries in models for side in ("train", "test")},
+                                "mean image, test": {min(epochs): mean_image_mse, max(epochs): mean_image_mse}}),
+        ("capsule bound's terms, train (nats)", {term: per_epoch(curve, f"train_{term}")
+                                                 for term in ("image", "parts", "top")}),
+    ]]
+    path = run.file("training_curves.png")
+    figures.line_panels(panels, path, title="training (train: the epoch's running mean; test: one fixed draw)",
+                        xlabel="epoch")
+    return path
 
 
 def load_trained(run_dir):

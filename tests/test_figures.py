@@ -38,3 +38,17 @@ def test_image_grid_writes_a_png_of_its_figure_size(tmp_path):
     figures.image_grid(images, path, title="t", column_labels=range(5), row_labels=["a", "b", "c"])
     written = matplotlib.image.imread(path)
     assert written.shape[:2] == (round((3 * 0.8 + 0.4) * 100), 5 * 0.8 * 100)     # figsize x dpi 100
+
+
+def test_line_panels_plots_a_dict_at_its_keys_and_a_sequence_at_its_index(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *args, **kwargs: drawn.append(args) or original(self, *args, **kwargs))
+    path = tmp_path / "curves.png"
+    figures.line_panels([[("a", {"per epoch": {1: 5.0, 3: 7.0}, "per step": [2.0, 4.0, 8.0]}), ("b", {"c": [1.0]})]],
+                        path, xlabel="epoch")
+    assert [list(map(list, args)) for args in drawn] == [[[1, 3], [5.0, 7.0]], [[2.0, 4.0, 8.0]], [[1.0]]]
+    assert matplotlib.image.imread(path).shape[:2] == (240, 640)      # one row of two 3.2 x 2.4 panels, dpi 100

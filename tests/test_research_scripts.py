@@ -134,8 +134,9 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "t0_logits", "t0_logits_A0", "vae"}
     assert set(found["probe_accuracy"]["t0"]) == {"0", "45", "90", "135", "180", "affine"}
     assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
-    for name in ("templates", "reconstructions", "rotation", "samples"):
+    for name in ("templates", "reconstructions", "rotation", "samples", "training_curves"):
         assert os.path.getsize(os.path.join(run, f"{name}.png")) > 0
+    assert train["figure"] == os.path.join(run, "training_curves.png")
     with open(os.path.join(run, "environment.jsonl")) as handle:    # the refused resume adds no line
         assert [json.loads(line)["action"] for line in handle] == ["train", "train", "evaluate"]
     # the probe studies' loader: the table's training features, read here without XLA from the encoders
@@ -251,6 +252,7 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     assert [e["epoch"] for e in found["curve"]] == [0, 1, 2]
     assert found["curve"][:2] == first["curve"]                  # the first call's curve kept, not measured again
     assert set(found["probe_accuracy"]) == {"learned", "random_g"} and os.path.getsize(found["figure"]) > 0
+    assert os.path.getsize(found["curves_figure"]) > 0
     # the saved layer, reloaded, infers the recorded coefficient entropy (NumPy's) from the test digits' children
     layer = load_component(os.path.join(run, "models", "generative.keras")).layers[-1]
     children = generative_capsules.primary_capsules(capsnet, test)
