@@ -6,6 +6,11 @@ one: (1) an IDX directory given as `data_dir` or by `POECAPS_DATA`; (2)
 well-known system locations (Debian's `dataset-fashion-mnist`); (3)
 TensorFlow Datasets, using prepared data and downloading only when the
 network answers (offline, `tfds.load` would retry for minutes).
+
+A `data_dir` passed as an argument is the only source looked at: a folder
+asked for by name that lacks the files is an error, never a silent switch to
+another copy of the dataset. `POECAPS_DATA` is a standing default, and the
+other sources follow it.
 """
 
 import gzip
@@ -110,24 +115,29 @@ def load_arrays(name, split, data_dir=None, source=None):
         raise DataError(f"Unknown split; expected one of {SPLITS}. Received: split={split!r}")
     if source is not None and source not in SOURCES:
         raise DataError(f"Unknown source; expected one of {SOURCES}. Received: source={source!r}")
+    named = bool(data_dir) and source in (None, "idx")      # a folder asked for by name is the only place looked
     data_dir = data_dir or os.environ.get("POECAPS_DATA")
     attempts = []
     candidates = []
     if source in (None, "idx") and data_dir:
         candidates.append(("idx", data_dir))
-    if source in (None, "system"):
+    if source in (None, "system") and not named:
         candidates += [("system", d) for d in SYSTEM_DIRS[name]]
     for kind, directory in candidates:
         try:
             images, labels = _from_idx_dir(directory, split)
             return images, labels.astype(np.int64), f"{kind}:{directory}"
         except FileNotFoundError as error:
+            if named:
+                raise DataError(f"Could not load {name!r} split {split!r} from the folder given: missing {error}. "
+                                f"Give a folder of the IDX files ({', '.join(_IDX_FILES[split])}, gzipped or "
+                                f"not), or no folder for the other sources.") from None
             attempts.append(f"{kind} {directory}: missing {error}")
         except DataError as error:
-            if source is not None:
+            if source is not None or named:
                 raise
             attempts.append(f"{kind} {directory}: {error}")
-    if source in (None, "tfds"):
+    if source in (None, "tfds") and not named:
         try:
             images, labels = _from_tfds(name, split, data_dir if source == "tfds" else None)
             return images, labels.astype(np.int64), "tfds"

@@ -62,16 +62,39 @@ def test_corrupted_gzip_is_a_clear_error(idx_dir):
 
 
 def test_missing_dataset_lists_every_source_tried(tmp_path, monkeypatch):
-    monkeypatch.delenv("POECAPS_DATA", raising=False)
+    monkeypatch.setenv("POECAPS_DATA", str(tmp_path / "empty"))        # a standing default: the others follow it
     monkeypatch.setattr(data, "SYSTEM_DIRS", {"mnist": [str(tmp_path / "nowhere")],
                                               "fashion_mnist": []})
     monkeypatch.setattr(data, "_network_answers", lambda *a, **k: False)
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
     with pytest.raises(data.DataError) as error:
-        data.load_arrays("mnist", "train", data_dir=str(tmp_path / "empty"))
+        data.load_arrays("mnist", "train")
     message = str(error.value)
-    for expected in ("idx", "system", "tfds", "To get it"):
+    for expected in (f"idx {tmp_path / 'empty'}: missing", f"system {tmp_path / 'nowhere'}: missing", "tfds mnist",
+                     "To get it"):
         assert expected in message
+
+
+def test_a_folder_given_by_name_is_the_only_source(idx_dir, tmp_path, monkeypatch):
+    # Another copy sits where the system sources are looked for; a named folder that lacks the files (or a
+    # split) is still an error, never a silent switch to that copy.
+    monkeypatch.setattr(data, "SYSTEM_DIRS", {"mnist": [], "fashion_mnist": [str(idx_dir)]})
+    monkeypatch.setattr(data, "_from_tfds", lambda *a: pytest.fail("TFDS looked at for a named folder"))
+    monkeypatch.delenv("POECAPS_DATA", raising=False)
+    only_train = tmp_path / "only_train"
+    only_train.mkdir()
+    for name in ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"):
+        (only_train / name).write_bytes((idx_dir / name).read_bytes())
+    assert data.load_arrays("fashion_mnist", "train", data_dir=str(only_train))[2] == f"idx:{only_train}"
+    with pytest.raises(data.DataError, match="from the folder given: missing .*t10k-images-idx3-ubyte"):
+        data.load_arrays("fashion_mnist", "test", data_dir=str(only_train))
+    with pytest.raises(data.DataError, match="from the folder given: missing"):
+        data.load_arrays("fashion_mnist", "train", data_dir=str(tmp_path / "typo"))
+    (only_train / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(data.DataError, match="not a readable"):
+        data.load_arrays("fashion_mnist", "train", data_dir=str(only_train))
+    # without a folder the system copy is found, as before
+    assert data.load_arrays("fashion_mnist", "test")[2] == f"system:{idx_dir}"
 
 
 def test_tfds_is_used_when_prepared(tmp_path, monkeypatch):
