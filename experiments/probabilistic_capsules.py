@@ -356,6 +356,8 @@ def evaluate_run(run_dir, tto_images=200, tto_steps=200, tto_learning_rate=0.01,
     x_test, y_test = load_digits(settings["data_dir"], "test", settings["canvas"])
     table, tests = probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed)
     pick = spread_indices(len(x_test), tto_images)
+    print(f"[tto] {tto_steps} steps of test-time optimisation on {len(pick)} test digits, upright and turned by "
+          f"90 degrees ...", flush=True)
     tto, rotated_parameters = test_time_optimisation(capsules, tf.constant(x_test[pick]), tests["90"][pick],
                                                      tto_steps, tto_learning_rate, seed)
     print(f"[tto] bound {tto['bound_before']:.1f} -> {tto['bound_after']:.1f}, improved on "
