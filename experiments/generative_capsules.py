@@ -9,7 +9,8 @@ epoch, coefficient entropy, linear probes on the inferred parents of the
 learned layer and of the same layer with its initial random G),
 `samples.png` (digits decoded from parents drawn from the prior, beside
 decoded test parents), `curves.png` (the held-out bound and entropy per
-epoch, drawn), `curve.jsonl` (the held-out curve, kept by a resumed call) and the layer (`models/generative.keras`, checkpoints under
+epoch, drawn), `curve.jsonl` (the held-out curve, kept by a resumed call)
+and the layer (`models/generative.keras`, checkpoints under
 `checkpoints/generative/`).
 """
 
