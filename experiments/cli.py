@@ -85,11 +85,8 @@ def add_config_flags(p, config_cls, names=None):
 
 def _add_flag(p, name, spec, help):
     """`--name VALUE` for the setting `name`; a true-or-false setting's flag alone means true (`--name false` too)."""
-    if spec.kind is bool:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, nargs="?", const="true",
-                       metavar="true|false", help=help)
-    else:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE", help=help)
+    form = {"nargs": "?", "const": "true", "metavar": "true|false"} if spec.kind is bool else {"metavar": "VALUE"}
+    p.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=help, **form)
 
 
 def _default_shown(default, spec):

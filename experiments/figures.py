@@ -88,6 +88,12 @@ def training_curves(metrics_path, path):
     plt.close(fig)
 
 
+def per_epoch(entries, key):
+    """`{epoch: entry[key]}` of per-epoch records (dicts with an "epoch"), skipping those without the key: a
+    series for `line_panels`."""
+    return {e["epoch"]: e[key] for e in entries if e.get(key) is not None}
+
+
 def line_panels(panels, path, title=None, xlabel="step", ylabel=None):
     """Save small line plots: `panels` is `[[(panel title, {label: values}), ...], ...]` (rows of panels).
 

@@ -39,10 +39,10 @@ CURVE = os.path.join("generative", "curve.jsonl")
 def curves_figure(record, path):
     """Draw the layer's per-epoch `record` (`curve.jsonl`'s entries) at `path`: the held-out and training bound
     per child, and the held-out coefficient entropy over log J; return `path`."""
-    per_epoch = lambda key: {e["epoch"]: e[key] for e in record if key in e}
-    figures.line_panels([[("bound per child (nats)", {"held out": per_epoch("heldout_bound_per_child"),
-                                                      "train (running mean)": per_epoch("train_bound_per_child")}),
-                          ("coefficient entropy / log J, held out", {"entropy": per_epoch("coefficient_entropy")})]],
+    series = lambda key: figures.per_epoch(record, key)
+    figures.line_panels([[("bound per child (nats)", {"held out": series("heldout_bound_per_child"),
+                                                      "train (running mean)": series("train_bound_per_child")}),
+                          ("coefficient entropy / log J, held out", {"entropy": series("coefficient_entropy")})]],
                         path, title="generalised EM (epoch 0: at initialisation)", xlabel="epoch")
     return path
 

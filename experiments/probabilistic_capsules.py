@@ -200,16 +200,15 @@ def training_curves(run, curve, vae_curve, mean_image_mse):
     bound's terms; its path (None when no epoch is recorded)."""
     if not curve and not vae_curve:
         return None
-    per_epoch = lambda entries, key: {e["epoch"]: e[key] for e in entries if e.get(key) is not None}
     models = (("capsules", curve), ("VAE", vae_curve))
     epochs = [e["epoch"] for _, entries in models for e in entries]
     panels = [[
-        ("bound per image (nats)", {f"{name}, {side}": per_epoch(entries, f"{side}_bound")
+        ("bound per image (nats)", {f"{name}, {side}": figures.per_epoch(entries, f"{side}_bound")
                                     for name, entries in models for side in ("train", "test")}),
-        ("reconstruction MSE", {**{f"{name}, {side}": per_epoch(entries, f"{side}_mse")
+        ("reconstruction MSE", {**{f"{name}, {side}": figures.per_epoch(entries, f"{side}_mse")
                                    for name, entries in models for side in ("train", "test")},
                                 "mean image, test": {min(epochs): mean_image_mse, max(epochs): mean_image_mse}}),
-        ("capsule bound's terms, train (nats)", {term: per_epoch(curve, f"train_{term}")
+        ("capsule bound's terms, train (nats)", {term: figures.per_epoch(curve, f"train_{term}")
                                                  for term in ("image", "parts", "top")}),
     ]]
     path = run.file("training_curves.png")

@@ -115,29 +115,32 @@ def load_arrays(name, split, data_dir=None, source=None):
         raise DataError(f"Unknown split; expected one of {SPLITS}. Received: split={split!r}")
     if source is not None and source not in SOURCES:
         raise DataError(f"Unknown source; expected one of {SOURCES}. Received: source={source!r}")
-    named = bool(data_dir) and source in (None, "idx")      # a folder asked for by name is the only place looked
+    if data_dir and source in (None, "idx"):        # a folder asked for by name is the only place looked
+        try:
+            images, labels = _from_idx_dir(data_dir, split)
+        except FileNotFoundError as error:
+            raise DataError(f"Could not load {name!r} split {split!r} from the folder given: missing {error}. "
+                            f"Give a folder of the IDX files ({', '.join(_IDX_FILES[split])}, gzipped or "
+                            f"not), or no folder for the other sources.") from None
+        return images, labels.astype(np.int64), f"idx:{data_dir}"
     data_dir = data_dir or os.environ.get("POECAPS_DATA")
     attempts = []
     candidates = []
     if source in (None, "idx") and data_dir:
         candidates.append(("idx", data_dir))
-    if source in (None, "system") and not named:
+    if source in (None, "system"):
         candidates += [("system", d) for d in SYSTEM_DIRS[name]]
     for kind, directory in candidates:
         try:
             images, labels = _from_idx_dir(directory, split)
             return images, labels.astype(np.int64), f"{kind}:{directory}"
         except FileNotFoundError as error:
-            if named:
-                raise DataError(f"Could not load {name!r} split {split!r} from the folder given: missing {error}. "
-                                f"Give a folder of the IDX files ({', '.join(_IDX_FILES[split])}, gzipped or "
-                                f"not), or no folder for the other sources.") from None
             attempts.append(f"{kind} {directory}: missing {error}")
         except DataError as error:
-            if source is not None or named:
+            if source is not None:
                 raise
             attempts.append(f"{kind} {directory}: {error}")
-    if source in (None, "tfds") and not named:
+    if source in (None, "tfds"):
         try:
             images, labels = _from_tfds(name, split, data_dir if source == "tfds" else None)
             return images, labels.astype(np.int64), "tfds"
