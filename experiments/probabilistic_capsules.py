@@ -20,8 +20,10 @@ training image, minutes; and `RUN/training_curves.png`, those curves drawn.
 - linear probes (`poecaps.metrics.linear_probe`) trained on the unrotated
   training digits' `t0` (top presences), `(t0, A0)` (with the top poses)
   and the VAE's `(mu, sigma)`, tested at 0, 45, 90, 135 and 180 degrees
-  and under random affine transforms (`poecaps.transforms.random_affine`,
-  a stand-in for affNIST, which is not available offline);
+  under random affine transforms (`poecaps.transforms.random_affine`, a
+  stand-in for affNIST, which is not available offline), and with each
+  digit turned by its own angle uniform in +-45, 90, 135 or 180 degrees
+  (the likely reading of the paper's rotated columns);
 - `templates.png`, `reconstructions.png`, `rotation.png` (a rotated digit
   before and after test-time optimisation: the paper's Figure 3) and
   `samples.png` (images drawn from the model).
@@ -53,6 +55,8 @@ from poecaps.validation import check_images
 
 KIND = "probabilistic-capsules"
 ANGLES = (0, 45, 90, 135, 180)
+# Each digit turned by its own angle, uniform in +-limit: the likely reading of the paper's rotated columns.
+RANGES = (45, 90, 135, 180)
 # The affine stand-in for affNIST: rotation, shear, scales, translation (share of the canvas).
 AFFINE = {"max_rotation": 20.0, "max_shear": 0.2, "scale_range": (0.8, 1.2), "max_translation": 0.1}
 EVAL_BATCH = 250
@@ -283,12 +287,20 @@ def _features(capsules, vae):
 
 
 def probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed):
-    """Linear-probe accuracy of `t0`, `(t0, A0)`, both again with `t0`'s logits, and the VAE's `(mu, sigma)`: rotations and the affine stand-in."""
+    """Linear-probe accuracy of `t0`, `(t0, A0)`, both again with `t0`'s logits, and the VAE's `(mu, sigma)`.
+
+    Tested on the test digits turned by each of `ANGLES` (conditions "0" ...
+    "180"), under the affine stand-in ("affine"), and turned each by its own
+    angle uniform in +-limit for each of `RANGES` ("up_to_45" ...).
+    """
     features = _features(capsules, vae)
     train = _batched(features, x_train)
     train_sets = {**probe_features(train["t0"], train["A0"], train["t0_logits"]), "vae": train["vae"]}
     tests = {f"{angle}": np.asarray(transforms.rotate(x_test, float(angle))) for angle in ANGLES}
     tests["affine"] = np.asarray(transforms.random_affine(x_test, seed=keras.random.SeedGenerator(seed), **AFFINE))
+    for limit in RANGES:
+        tests[f"up_to_{limit}"] = np.asarray(transforms.random_rotation(
+            x_test, float(limit), seed=keras.random.SeedGenerator(1000 * seed + limit)))
     table = {name: {} for name in train_sets}
     for condition, images in tests.items():
         found = _batched(features, images)

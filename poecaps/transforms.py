@@ -73,11 +73,20 @@ def random_shift(images, max_shift=2, seed=None):
 
 
 def rotate(images, degrees):
-    """Rotate every image by `degrees` about its centre."""
+    """Rotate the images about their centre by `degrees`: one angle for all, or one per image (`[B]`)."""
     batch = ops.shape(images)[0]
     ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
-    angle = ones * (degrees * math.pi / 180.0)
+    if isinstance(degrees, (int, float)):
+        angle = ones * (degrees * math.pi / 180.0)
+    else:
+        angle = ops.cast(degrees, ones.dtype) * math.pi / 180.0
     return _apply(images, _matrices(angle, zeros, ones, ones, zeros, zeros))
+
+
+def random_rotation(images, max_degrees, seed=None):
+    """Rotate each image about its centre by its own angle, uniform in +-`max_degrees`."""
+    seed = seed if seed is not None else keras.random.SeedGenerator(0)
+    return rotate(images, keras.random.uniform((ops.shape(images)[0],), -max_degrees, max_degrees, seed=seed))
 
 
 def random_affine(images, max_rotation=20.0, max_shear=0.2, scale_range=(0.8, 1.2),

@@ -150,6 +150,42 @@ def test_rotation_by_90_is_rot90_and_0_is_identity(rng):
     assert min(np.abs(rotated - c).max() for c in candidates) < 1e-4
 
 
+def test_rotation_takes_one_angle_per_image(rng):
+    image = np.repeat(rng.uniform(size=(1, 7, 7, 1)).astype("float32"), 3, axis=0)
+    rotated = ops.convert_to_numpy(transforms.rotate(image, np.array([90.0, 0.0, -90.0], "float32")))
+    np.testing.assert_allclose(rotated[1], image[1], atol=1e-5)
+    # +90 and -90 degrees are the two quarter turns, in opposite directions
+    k = 1 if np.abs(rotated[0] - np.rot90(image[0], 1)).max() < 1e-4 else 3
+    np.testing.assert_allclose(rotated[0], np.rot90(image[0], k), atol=1e-4)
+    np.testing.assert_allclose(rotated[2], np.rot90(image[2], 4 - k), atol=1e-4)
+
+
+def _bar_orientation(images):
+    """The orientation in degrees, in (-90, 90], of each image's principal axis (second central moments)."""
+    h, w = images.shape[1:3]
+    ys, xs = np.mgrid[:h, :w]
+    mass = images[..., 0].sum(axis=(1, 2))
+    mx = (images[..., 0] * xs).sum(axis=(1, 2)) / mass
+    my = (images[..., 0] * ys).sum(axis=(1, 2)) / mass
+    dx, dy = xs[None] - mx[:, None, None], ys[None] - my[:, None, None]
+    mu20, mu02, mu11 = ((images[..., 0] * m).sum(axis=(1, 2)) / mass for m in (dx * dx, dy * dy, dx * dy))
+    return np.degrees(0.5 * np.arctan2(2 * mu11, mu20 - mu02))
+
+
+def test_random_rotation_turns_each_image_by_its_own_angle_within_the_limit():
+    bar = np.zeros((64, 21, 21, 1), "float32")
+    bar[:, 10, 3:18] = 1.0                                   # a horizontal bar through the centre
+    assert np.all(np.abs(_bar_orientation(bar)) < 1e-6)
+    turned = ops.convert_to_numpy(transforms.random_rotation(bar, 40.0, seed=keras.random.SeedGenerator(3)))
+    angles = _bar_orientation(turned)
+    # bilinear sampling blurs the bar but keeps its axis: within a degree of the limit
+    assert np.all(np.abs(angles) <= 41.0), angles
+    assert angles.min() < -25.0 and angles.max() > 25.0        # spread over the range, not one angle for all
+    assert len(np.unique(np.round(angles, 1))) > 50
+    unturned = ops.convert_to_numpy(transforms.random_rotation(bar, 0.0, seed=keras.random.SeedGenerator(3)))
+    np.testing.assert_allclose(unturned, bar, atol=1e-5)
+
+
 def test_random_affine_keeps_range_and_shape(rng):
     image = rng.uniform(size=(4, 12, 12, 3)).astype("float32")
     out = ops.convert_to_numpy(transforms.random_affine(image, seed=keras.random.SeedGenerator(0)))

@@ -132,7 +132,8 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == json.loads(json.dumps(found))
     assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "t0_logits", "t0_logits_A0", "vae"}
-    assert set(found["probe_accuracy"]["t0"]) == {"0", "45", "90", "135", "180", "affine"}
+    assert set(found["probe_accuracy"]["t0"]) == {"0", "45", "90", "135", "180", "affine", "up_to_45", "up_to_90",
+                                                  "up_to_135", "up_to_180"}
     assert found["test_time_optimisation"]["images"] == 16 and found["test_time_optimisation"]["steps"] == 2
     for name in ("templates", "reconstructions", "rotation", "samples", "training_curves"):
         assert os.path.getsize(os.path.join(run, f"{name}.png")) > 0
