@@ -8,6 +8,7 @@ c0, c1]` maps an output point (x, y) to the input point
 """
 
 import math
+import numbers
 
 import keras
 from keras import ops
@@ -76,10 +77,10 @@ def rotate(images, degrees):
     """Rotate the images about their centre by `degrees`: one angle for all, or one per image (`[B]`)."""
     batch = ops.shape(images)[0]
     ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
-    if isinstance(degrees, (int, float)):
+    if isinstance(degrees, numbers.Real):                       # NumPy scalars too
         angle = ones * (degrees * math.pi / 180.0)
     else:
-        angle = ops.cast(degrees, ones.dtype) * math.pi / 180.0
+        angle = ones * (ops.cast(degrees, ones.dtype) * math.pi / 180.0)
     return _apply(images, _matrices(angle, zeros, ones, ones, zeros, zeros))
 
 

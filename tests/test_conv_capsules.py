@@ -158,6 +158,8 @@ def test_rotation_takes_one_angle_per_image(rng):
     k = 1 if np.abs(rotated[0] - np.rot90(image[0], 1)).max() < 1e-4 else 3
     np.testing.assert_allclose(rotated[0], np.rot90(image[0], k), atol=1e-4)
     np.testing.assert_allclose(rotated[2], np.rot90(image[2], 4 - k), atol=1e-4)
+    for scalar in (np.int64(90), np.float32(90.0), 90):          # one angle for all, in any scalar type
+        np.testing.assert_allclose(ops.convert_to_numpy(transforms.rotate(image, scalar))[0], rotated[0], atol=1e-6)
 
 
 def _bar_orientation(images):
