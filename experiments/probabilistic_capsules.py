@@ -301,12 +301,15 @@ def probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed):
     for limit in RANGES:
         tests[f"up_to_{limit}"] = np.asarray(transforms.random_rotation(
             x_test, float(limit), seed=keras.random.SeedGenerator(1000 * seed + limit)))
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    probes = {name: metrics.fit_linear_probe(train_features, y_train, classes)
+              for name, train_features in train_sets.items()}
     table = {name: {} for name in train_sets}
     for condition, images in tests.items():
         found = _batched(features, images)
         sets = {**probe_features(found["t0"], found["A0"], found["t0_logits"]), "vae": found["vae"]}
-        for name, train_features in train_sets.items():
-            table[name][condition] = metrics.linear_probe(train_features, y_train, sets[name], y_test)
+        for name, probe in probes.items():
+            table[name][condition] = probe(sets[name], y_test)
         print(f"[probe] {condition}: " + ", ".join(f"{n} {table[n][condition]:.3f}" for n in table), flush=True)
     return table, tests
 

@@ -13,25 +13,28 @@ def mse(images, reconstructions):
 
 def linear_probe(train_features, train_labels, test_features, test_labels, max_iterations=500,
                  l2=1e-4):
-    """Test accuracy of a multinomial logistic regression on frozen features.
+    """Test accuracy of a multinomial logistic regression on frozen features (`fit_linear_probe`)."""
+    classes = int(max(np.max(train_labels), np.max(test_labels))) + 1
+    return fit_linear_probe(train_features, train_labels, classes, max_iterations, l2)(test_features, test_labels)
+
+
+def fit_linear_probe(train_features, train_labels, classes, max_iterations=500, l2=1e-4):
+    """Fit a multinomial logistic regression on frozen features; returns `accuracy(test_features, test_labels)`.
 
     Features are standardised with the training statistics; the regression,
     with a small L2 penalty on the weights (not the bias), is fitted by at
-    most `max_iterations` L-BFGS-B iterations from zero weights, in float64.
-    The objective's products go through SciPy's BLAS, the one L-BFGS-B
-    itself calls: NumPy brings its own OpenBLAS, and two thread pools that
-    wait for work by spinning slow each other down on a small CPU.
+    most `max_iterations` L-BFGS-B iterations from zero weights, in float64,
+    over `classes` classes. The objective's products go through SciPy's
+    BLAS, the one L-BFGS-B itself calls: NumPy brings its own OpenBLAS, and
+    two thread pools that wait for work by spinning slow each other down on
+    a small CPU. One fit serves any number of test sets.
     """
     from scipy.linalg import blas
     from scipy.optimize import minimize
 
     train = np.asarray(train_features, "float64").reshape(len(train_features), -1)
-    test = np.asarray(test_features, "float64").reshape(len(test_features), -1)
     mean, std = train.mean(0), train.std(0) + 1e-6
-    train, test = (train - mean) / std, (test - mean) / std
-    train = np.asfortranarray(np.hstack([train, np.ones((len(train), 1))]))   # BLAS's layout
-    test = np.hstack([test, np.ones((len(test), 1))])
-    classes = int(max(train_labels.max(), test_labels.max())) + 1
+    train = np.asfortranarray(np.hstack([(train - mean) / std, np.ones((len(train), 1))]))   # BLAS's layout
     rows, labels = np.arange(len(train)), np.asarray(train_labels)
 
     def loss_and_grad(flat):
@@ -49,8 +52,14 @@ def linear_probe(train_features, train_labels, test_features, test_labels, max_i
 
     solution = minimize(loss_and_grad, np.zeros(train.shape[1] * classes), jac=True,
                         method="L-BFGS-B", options={"maxiter": max_iterations})
-    predicted = np.argmax(test @ solution.x.reshape(train.shape[1], classes), axis=1)
-    return float(np.mean(predicted == test_labels))
+    weights = solution.x.reshape(train.shape[1], classes)
+
+    def accuracy(test_features, test_labels):
+        test = np.asarray(test_features, "float64").reshape(len(test_features), -1)
+        test = np.hstack([(test - mean) / std, np.ones((len(test), 1))])
+        return float(np.mean(np.argmax(test @ weights, axis=1) == test_labels))
+
+    return accuracy
 
 
 PROBE_PENALTIES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
