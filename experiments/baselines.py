@@ -74,7 +74,7 @@ def _resume_state(run, config, record):
     state = run.read_json("state.json", {})
     if state and (state.get("kind") != "baseline" or not isinstance(state.get("settings"), dict)):
         raise InputError(f"{run.file('state.json')} is not a baseline's state as this version writes it; "
-                         "restore it or start a new --run-dir.")
+                         "restore it or start a new run directory (--run-dir).")
     check_same_model(run, state.get("settings") or {}, config, ARCHITECTURE)
     return state
 

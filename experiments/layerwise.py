@@ -252,7 +252,7 @@ def _resume_state(run, config, resume):
             name not in STAGES or not isinstance(entry, dict) or not isinstance(entry.get("seconds"), (int, float))
             for name, entry in stages.items()):
         raise InputError(f"{run.file('state.json')} does not list the trained stages as this version writes "
-                         "them; restore it or start a new --run-dir.")
+                         "them; restore it or start a new run directory (--run-dir).")
     check_same_model(run, state.get("settings") or {}, config, ARCHITECTURE)
     return state
 

@@ -54,9 +54,9 @@ class RunDir:
         self.checkpoints = os.path.join(path, "checkpoints")
         self.logs = os.path.join(path, "logs")
         if os.path.exists(path) and not os.path.isdir(path):
-            raise InputError(f"The run directory {path} is a file; pass a folder to --run-dir.")
+            raise InputError(f"The run directory {path} is a file; pass a folder as the run directory (--run-dir).")
         if not create and not os.path.isdir(path):
-            raise InputError(f"No run directory at {path}; train one first or pass another --run-dir.")
+            raise InputError(f"No run directory at {path}; train one first or pass another run directory (--run-dir).")
         if create:
             for directory in (path, self.models, self.checkpoints, self.logs):
                 os.makedirs(directory, exist_ok=True)
@@ -73,10 +73,10 @@ class RunDir:
             with open(path) as handle:
                 found = json.load(handle)
         except (OSError, ValueError) as error:
-            raise InputError(f"{path} is not readable JSON ({error}); restore it or start a new "
-                             "--run-dir.") from None
+            raise InputError(f"{path} is not readable JSON ({error}); restore it or start a new run directory "
+                             "(--run-dir).") from None
         if not isinstance(found, dict):
-            raise InputError(f"{path} does not hold a JSON object; restore it or start a new --run-dir.")
+            raise InputError(f"{path} does not hold a JSON object; restore it or start a new run directory (--run-dir).")
         return found
 
     def write_json(self, name, obj):
@@ -129,10 +129,10 @@ def read_settings(run, config_cls):
     record = run_record(run, expected)
     if record is None:
         raise InputError(f"{run.path} has no config.json, so it holds no trained run; train one first "
-                         "or pass another --run-dir.")
+                         "or pass another run directory (--run-dir).")
     settings = record.get("settings")
     if not isinstance(settings, dict):
-        raise InputError(f"{run.file('config.json')} has no settings; restore it or start a new --run-dir.")
+        raise InputError(f"{run.file('config.json')} has no settings; restore it or start a new run directory (--run-dir).")
     unknown = sorted(set(settings) - set(specs(config_cls)))
     if unknown:
         raise InputError(f"{run.file('config.json')} holds settings this version does not know "
@@ -149,7 +149,7 @@ def run_record(run, kind):
     record = run.read_json("config.json")
     if record is not None and record.get("kind") != kind:
         raise InputError(f"{run.path} holds a {record.get('kind') or 'unknown'} run; this needs a {kind} run "
-                         "(use another --run-dir).")
+                         "(use another run directory, --run-dir).")
     return record
 
 
@@ -159,4 +159,4 @@ def check_same_model(run, trained, config, names):
     if changed:
         raise InputError(f"{run.path} was trained with other {', '.join(changed)} (was "
                          f"{', '.join(repr(trained[k]) for k in changed)}); resume it with the same values "
-                         "or use a new --run-dir.")
+                         "or use a new run directory (--run-dir).")

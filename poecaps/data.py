@@ -36,7 +36,8 @@ _IDX_FILES = {
 }
 _HOW_TO_GET = {
     "fashion_mnist": "`apt-get install -y dataset-fashion-mnist`, or go online for TFDS",
-    "mnist": "pass --data-dir to a folder of the IDX files (e.g. ../shared/data/mnist-5k), "
+    "mnist": "set data_dir (--data-dir on the command line) to a folder of the IDX files "
+             "(e.g. ../shared/data/mnist-5k), "
              "or go online for TFDS",
 }
 
