@@ -5,7 +5,7 @@ Usage: python docs/studies/probabilistic_seed_mean.py EVAL.json [EVAL.json ...] 
 Reads each run's `eval.json` (`scripts/probabilistic_capsules.py`) and
 prints, per feature set and test condition, every seed's probe accuracy
 and their mean (and, for several seeds, their standard deviation,
-`ddof=1`), then the issue's probe criteria on the mean: `t0` at
+`ddof=1`; the "up to" rows too), then the issue's probe criteria on the mean: `t0` at
 least 0.80 at 0 degrees, `(t0, A0)` at least `t0` at 0, 45, 90 and 180
 degrees and on the affine stand-in, and `(t0, A0)` beating the VAE there
 by at least 0.10. Each seed's own outcome of the second criterion is
@@ -71,6 +71,9 @@ def main():
             print(f"{row}, turned by up to: " + "; ".join(
                 f"{c[6:]} " + " / ".join(f"{v:.3f}" for v in column) + f" (mean {m:.3f})"
                 for c, column, m in zip(UP_TO, values.T, values.mean(0))))
+            if len(runs) > 1:
+                print(f"{row}, turned by up to, standard deviation over seeds: " + "; ".join(
+                    f"{c[6:]} {s:.3f}" for c, s in zip(UP_TO, values.std(0, ddof=1))))
         print("mean (t0, A0) - t0, turned by up to (the paper's likely reading, not the issue's criterion): " +
               ", ".join(f"{c[6:]} {g:+.3f}" for c, g in zip(UP_TO, up_to["t0_A0"] - up_to["t0"])))
 
