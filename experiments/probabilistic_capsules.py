@@ -159,7 +159,8 @@ def train_run(run_dir, epochs=100, batch_size=64, learning_rate=1e-3, canvas=40,
     settings = {**dataclasses.asdict(config), "data_dir": os.path.abspath(data_dir)}
     found = run.read_json("config.json")
     if found is not None and found.get("kind") != KIND:
-        raise InputError(f"{run.path} holds a {found.get('kind') or 'unknown'} run; use another run directory (--run-dir).")
+        raise InputError(f"{run.path} holds a {found.get('kind') or 'unknown'} run; use another run "
+                         "directory (--run-dir).")
     if resume and found is not None:
         keys = ("batch_size", "learning_rate", "canvas", "seed", *LATER_TERMS)
         changed = [k for k in keys if found["settings"].get(k, LATER_TERMS.get(k)) != settings[k]]
@@ -232,7 +233,8 @@ def load_trained(run_dir):
     paths = [os.path.join(run.models, f"{name}.keras") for name in ("capsules", "vae")]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
-        raise InputError(f"{run.path} has no {', '.join(missing)}; finish its training first (resume=True; --resume on the command line).")
+        raise InputError(f"{run.path} has no {', '.join(missing)}; finish its training first "
+                         "(resume=True; --resume on the command line).")
     return run, found["settings"], load_component(paths[0]), load_component(paths[1])
 
 

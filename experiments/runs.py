@@ -54,7 +54,7 @@ class RunDir:
         self.checkpoints = os.path.join(path, "checkpoints")
         self.logs = os.path.join(path, "logs")
         if os.path.exists(path) and not os.path.isdir(path):
-            raise InputError(f"The run directory {path} is a file; pass a folder as the run directory (--run-dir).")
+            raise InputError(f"The run directory {path} is a file; pass a folder (--run-dir).")
         if not create and not os.path.isdir(path):
             raise InputError(f"No run directory at {path}; train one first or pass another run directory (--run-dir).")
         if create:
@@ -76,7 +76,8 @@ class RunDir:
             raise InputError(f"{path} is not readable JSON ({error}); restore it or start a new run directory "
                              "(--run-dir).") from None
         if not isinstance(found, dict):
-            raise InputError(f"{path} does not hold a JSON object; restore it or start a new run directory (--run-dir).")
+            raise InputError(f"{path} does not hold a JSON object; restore it or start a new run "
+                             "directory (--run-dir).")
         return found
 
     def write_json(self, name, obj):
@@ -132,7 +133,8 @@ def read_settings(run, config_cls):
                          "or pass another run directory (--run-dir).")
     settings = record.get("settings")
     if not isinstance(settings, dict):
-        raise InputError(f"{run.file('config.json')} has no settings; restore it or start a new run directory (--run-dir).")
+        raise InputError(f"{run.file('config.json')} has no settings; restore it or start a new run "
+                         "directory (--run-dir).")
     unknown = sorted(set(settings) - set(specs(config_cls)))
     if unknown:
         raise InputError(f"{run.file('config.json')} holds settings this version does not know "
