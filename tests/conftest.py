@@ -36,16 +36,25 @@ def quick_error_exits(monkeypatch):
     monkeypatch.setattr(cli, "gc", types.SimpleNamespace(collect=lambda: 0))
 
 
-# What the generated bad-input tests tried, per script, printed at the end of the run.
+# What the generated bad-input tests tried, per script, printed at the end of the run. Each test
+# records its counts on its report, so that under pytest-xdist the counts reach the process that prints.
 _TRIES = {}
 
 
 @pytest.fixture
-def record_tries():
+def record_tries(request):
     def record(script, what, count):
-        _TRIES.setdefault(script, {}).setdefault(what, 0)
-        _TRIES[script][what] += count
+        request.node.user_properties.append(("tried", [script, what, int(count)]))
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":       # the last report of a test carries all it recorded
+        for name, value in report.user_properties:
+            if name == "tried":
+                script, what, count = value
+                _TRIES.setdefault(script, {}).setdefault(what, 0)
+                _TRIES[script][what] += count
 
 
 def pytest_terminal_summary(terminalreporter):
