@@ -36,6 +36,16 @@ def quick_error_exits(monkeypatch):
     monkeypatch.setattr(cli, "gc", types.SimpleNamespace(collect=lambda: 0))
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """For `-n logical` (pyproject.toml): the CPUs this process may run on. pytest-xdist counts the
+    machine's, so a run pinned to one core (`taskset -c 0`) would start two processes on it.
+    `PYTEST_XDIST_AUTO_NUM_WORKERS`, and systems without CPU affinity, keep xdist's own count."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") or not hasattr(os, "sched_getaffinity"):
+        return None
+    return len(os.sched_getaffinity(0))
+
+
 # What the generated bad-input tests tried, per script, printed at the end of the run. Each test
 # records its counts on its report, so that under pytest-xdist the counts reach the process that prints.
 _TRIES = {}
