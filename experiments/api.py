@@ -24,6 +24,7 @@ work starts. The command lines call the same functions.
 import dataclasses
 import time
 
+from poecaps.experiments import generative_capsules as generative
 from poecaps.experiments import presets
 from poecaps.experiments import probabilistic_capsules as study
 from poecaps.experiments.baseline_evaluation import evaluate_baseline
@@ -33,6 +34,7 @@ from poecaps.experiments.configs import (
     STAGES,
     BaselineEvaluationConfig,
     GenerativeConfig,
+    ProbabilisticTrainConfig,
     SparseInferenceConfig,
     ToyRoutingConfig,
     probabilistic_configs,
@@ -41,6 +43,7 @@ from poecaps.experiments.evaluation import evaluate_run
 from poecaps.experiments.generative_capsules import train_generative
 from poecaps.experiments.layerwise import train_layerwise
 from poecaps.experiments.routing_comparison import compare_routing as _compare_routing
+from poecaps.experiments.runs import config_to_resume, values_to_resume
 from poecaps.experiments.sampling import sample_run
 from poecaps.experiments.settings import SettingError, with_values
 from poecaps.experiments.toy_routing import toy_routing as _toy_routing
@@ -53,9 +56,11 @@ def layerwise_config(preset="default", **settings):
                     "overrides": {name: getattr(config, name) for name in settings}}
 
 
-def train(run_dir, preset="default", stages=STAGES, resume=False, **settings):
-    """Train the layer-wise stages of `preset` (with `settings` changed) into `run_dir`; returns `run_dir`."""
-    config, record = layerwise_config(preset, **settings)
+def train(run_dir, preset=None, stages=STAGES, resume=False, **settings):
+    """Train the layer-wise stages of `preset` (None: "default") with `settings` changed into `run_dir`; returns
+    `run_dir`. With `resume` the run goes on with its own settings, `settings` changed (`runs.config_to_resume`)."""
+    config, record = (config_to_resume(run_dir, "layerwise", preset, settings) if resume
+                      else layerwise_config(preset or presets.DEFAULT["layerwise"], **settings))
     train_layerwise(config, run_dir, record, stages=stages, resume=resume)
     return run_dir
 
@@ -86,17 +91,24 @@ def _evaluation(test_limit):
     return with_values(BaselineEvaluationConfig(), {"test_limit": test_limit})
 
 
-def baseline(run_dir, preset="sabour2017", resume=False, test_limit=None, **settings):
+def baseline(run_dir, preset=None, resume=False, test_limit=None, **settings):
     """Train a supervised baseline from `preset` (with `settings` changed) into `run_dir`, then evaluate it.
 
     As `scripts/baseline.py --preset PRESET --set FIELD=VALUE ...`: `config.json`
-    records the preset and the changed settings; `test_limit` evaluates on
-    only that many test images. The affine test set is drawn from seed 0,
-    whatever seed trains the network, as the script and `compare_routing`
-    draw it. Returns the run's `eval.json` figures.
+    records the preset (None: "sabour2017") and the changed settings; with
+    `resume` the run goes on with its own settings, `settings` changed
+    (`runs.config_to_resume`). `test_limit` evaluates on only that many
+    test images. The affine test set is drawn from seed 0, whatever seed
+    trains the network, as the script and `compare_routing` draw it.
+    Returns the run's `eval.json` figures.
     """
-    config = with_values(presets.get("baseline", preset), settings)
-    record = {"kind": "baseline", "preset": preset, "overrides": {name: getattr(config, name) for name in settings}}
+    if resume:
+        config, record = config_to_resume(run_dir, "baseline", preset, settings)
+    else:
+        preset = preset or presets.DEFAULT["baseline"]
+        config = with_values(presets.get("baseline", preset), settings)
+        record = {"kind": "baseline", "preset": preset,
+                  "overrides": {name: getattr(config, name) for name in settings}}
     train_baseline(config, run_dir, record, resume=resume)
     return evaluate_baseline(run_dir, _evaluation(test_limit))
 
@@ -114,8 +126,9 @@ def compare_routing(root, rows=None, test_limit=None, **settings):
 def probabilistic_capsules(run_dir, resume=False, evaluate_only=False, jit_compile=True, **settings):
     """Smith et al.'s model and its VAE, as `scripts/probabilistic_capsules.py`; returns the run's `eval.json`.
 
-    Trains both models into `run_dir` (`resume` goes on; `data_dir`, a
-    folder of MNIST IDX files, is required), then refines at test time,
+    Trains both models into `run_dir` (`data_dir`, a folder of MNIST IDX
+    files, is required; `resume` goes on with the run's own settings,
+    `settings` changed), then refines at test time,
     probes and draws. `settings` are fields of `ProbabilisticTrainConfig`
     and `ProbabilisticEvaluationConfig` (`seed` sets both); with
     `evaluate_only` the trained run is only evaluated and a training
@@ -123,6 +136,8 @@ def probabilistic_capsules(run_dir, resume=False, evaluate_only=False, jit_compi
     """
     if evaluate_only and resume:
         raise SettingError("evaluate_only evaluates the run as it was trained; it takes no resume.")
+    if resume:
+        settings = values_to_resume(run_dir, "config.json", ProbabilisticTrainConfig, settings, study.KIND)
     train, evaluation = probabilistic_configs(settings, evaluate_only)
     if not evaluate_only:
         study.train_run(run_dir, resume=resume, jit_compile=jit_compile, **dataclasses.asdict(train))
@@ -133,9 +148,12 @@ def generative_capsules(capsnet_run_dir, resume=False, **settings):
     """A generative capsule layer on a CapsNet run's primary capsules, as `scripts/generative_capsules.py`.
 
     `settings` are fields of `GenerativeConfig`; `resume` goes on from the
-    layer's newest checkpoint. Writes `capsnet_run_dir/generative/` and
-    returns its `generative.json`.
+    layer's newest checkpoint with the layer's own settings, `settings`
+    changed. Writes `capsnet_run_dir/generative/` and returns its
+    `generative.json`.
     """
+    if resume:
+        settings = values_to_resume(capsnet_run_dir, generative.SETTINGS, GenerativeConfig, settings, generative.KIND)
     config = with_values(GenerativeConfig(), settings)
     return train_generative(capsnet_run_dir, resume=resume, **dataclasses.asdict(config))
 

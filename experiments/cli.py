@@ -13,6 +13,7 @@ import sys
 
 from poecaps.errors import PoecapsError
 from poecaps.experiments import presets
+from poecaps.experiments.runs import config_to_resume
 from poecaps.experiments.settings import parse_assignment, specs, with_values
 
 DEFAULT_RUN_DIR = os.path.join("runs", "default")
@@ -47,8 +48,8 @@ def parser(description, kind=None, default_preset=None, run_dir_default=DEFAULT_
     p.add_argument("--run-dir", default=run_dir_default,
                    help=f"run directory (default: {run_dir_default})")
     if kind is not None:
-        p.add_argument("--preset", default=default_preset, choices=list(presets.names(kind)),
-                       help=f"named settings (default: {default_preset})")
+        p.add_argument("--preset", default=None, choices=list(presets.names(kind)),
+                       help=f"named settings (default: {default_preset}; resumed: the run's)")
         p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                        help="change one setting of the preset (repeatable); listed below")
     return p
@@ -65,12 +66,15 @@ def config_from_args(kind, args, shortcuts=()):
     """`(config, record)`: the preset with the shortcut flags and `--set` values applied, each checked.
 
     `record` is what `config.json` keeps of the call: `{"kind", "preset",
-    "overrides"}`, the overrides as checked values.
+    "overrides"}`, the overrides as checked values. With `--resume` the
+    run's own settings take the preset's place (`runs.config_to_resume`).
     """
     values = flag_values(args, shortcuts)
-    config = with_values(presets.get(kind, args.preset), values)
-    return config, {"kind": kind, "preset": args.preset,
-                    "overrides": {name: getattr(config, name) for name in values}}
+    if getattr(args, "resume", False):
+        return config_to_resume(args.run_dir, kind, args.preset, values)
+    preset = args.preset or presets.DEFAULT[kind]
+    config = with_values(presets.get(kind, preset), values)
+    return config, {"kind": kind, "preset": preset, "overrides": {name: getattr(config, name) for name in values}}
 
 
 def add_config_flags(p, config_cls, names=None):

@@ -20,12 +20,15 @@ from poecaps.experiments.configs import (
     ToyRoutingConfig,
     probabilistic_configs,
 )
+from poecaps.experiments.settings import specs
+
+RESUME_HELP = "go on with the run in --run-dir, with its own settings; flags given change them (not the model)"
 
 
 def _train_layerwise(argv=None):
     p = cli.parser("Train the products of expert capsules layer by layer (and the RBM baseline), then "
                    "draw the result grid and evaluate the run.", "layerwise", "default")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
     cli.add_shortcuts(p, "layerwise", ("seed", "dataset", "data_dir", "limit"))
     p.add_argument("--stage", choices=STAGES, action="append",
                    help="train only this stage (repeatable); default: all, in order")
@@ -64,7 +67,7 @@ def _baseline(argv=None):
                    "capsules (EM routing) or Faria's routing network with any router (--preset faria2019-...).",
                    "baseline", "sabour2017",
                    run_dir_default=os.path.join("runs", "baseline"))
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
     shortcuts = ("model", "seed", "dataset", "data_dir", "limit", "epochs")
     cli.add_shortcuts(p, "baseline", shortcuts)
     p.add_argument("--evaluate-only", action="store_true",
@@ -163,14 +166,15 @@ def _generative_capsules(argv=None):
                    "trained CapsNet run; writes RUN/generative/generative.json and samples.png.", run_dir_default=None)
     cli.add_config_flags(p, GenerativeConfig, ("parents", "parent_dim", "epochs", "seed"))
     cli.add_set_flag(p, GenerativeConfig)
-    p.add_argument("--resume", action="store_true", help="continue the layer's training in --run-dir")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
     args = p.parse_args(argv)
     if not args.run_dir:
         p.error("--run-dir (a CapsNet baseline run) is required")
-    config = cli.config_from_flags(GenerativeConfig, args)
+    cli.config_from_flags(GenerativeConfig, args)                   # checked before TensorFlow
     from poecaps.experiments.api import generative_capsules  # TensorFlow: after --help
 
-    print(json.dumps(generative_capsules(args.run_dir, resume=args.resume, **dataclasses.asdict(config)), indent=2))
+    given = cli.flag_values(args, specs(GenerativeConfig))          # resumed: the others are the layer's own
+    print(json.dumps(generative_capsules(args.run_dir, resume=args.resume, **given), indent=2))
 
 
 # The settings of `scripts/probabilistic_capsules.py` that are flags of their own (the help's dozen flags).
@@ -184,12 +188,12 @@ def _probabilistic_capsules(argv=None):
     cli.add_config_flags(p, ProbabilisticTrainConfig, PROBABILISTIC_FLAGS)
     cli.add_config_flags(p, ProbabilisticEvaluationConfig, ("tto_steps",))
     cli.add_set_flag(p, ProbabilisticTrainConfig, ProbabilisticEvaluationConfig)
-    p.add_argument("--resume", action="store_true", help="continue the training in --run-dir")
+    p.add_argument("--resume", action="store_true", help=RESUME_HELP)
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
     args = p.parse_args(argv)
     settings = cli.flag_values(args, PROBABILISTIC_FLAGS)
     train, _ = probabilistic_configs(settings, args.evaluate_only)       # checked before TensorFlow (text parsed)
-    if not args.evaluate_only and not train.data_dir:
+    if not args.evaluate_only and not args.resume and not train.data_dir:      # resumed: the run's own
         p.error("--data-dir (a folder of MNIST IDX files) is required to train")
     from poecaps.experiments.api import probabilistic_capsules  # TensorFlow: after --help
 

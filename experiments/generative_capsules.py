@@ -7,6 +7,7 @@ training and test images, and learns `GenerativeCapsules` (10 parents of
 `generative.json` (held-out bound per child at initialisation and after each
 epoch, coefficient entropy, linear probes on the inferred parents of the
 learned layer and of the same layer with its initial random G),
+`config.json` (the layer's settings, which a resumed call goes on with),
 `samples.png` (digits decoded from parents drawn from the prior, beside
 decoded test parents), `curves.png` (the held-out bound and entropy per
 epoch, drawn), `curve.jsonl` (the held-out curve, kept by a resumed call)
@@ -14,6 +15,7 @@ and the layer (`models/generative.keras`, checkpoints under
 `checkpoints/generative/`).
 """
 
+import dataclasses
 import math
 import os
 import time
@@ -25,7 +27,7 @@ import tensorflow as tf
 from poecaps import metrics
 from poecaps.experiments import figures
 from poecaps.experiments.configs import GenerativeConfig
-from poecaps.experiments.runs import load_images, spread_indices
+from poecaps.experiments.runs import check_same_model, load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
 from poecaps.models import GenerativeCapsules
 from poecaps.models.saving import save_component
@@ -34,6 +36,11 @@ from poecaps.trainers.resumable import fit_resumable
 
 # The held-out curve of the layer, one JSON line per epoch, kept across resumed calls.
 CURVE = os.path.join("generative", "curve.jsonl")
+# The layer's settings, written when its training starts.
+SETTINGS = os.path.join("generative", "config.json")
+KIND = "generative-capsules"
+# Settings that shape the layer's training: a resumed call keeps them.
+SHAPE = ("parents", "parent_dim", "batch_size", "learning_rate", "iterations", "heldout", "seed")
 
 
 def curves_figure(record, path):
@@ -119,12 +126,17 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
 
     Training goes through `fit_resumable`, checkpointed in `RUN/checkpoints/generative/`: `resume=True`
     goes on from the newest checkpoint to `epochs` in all (refused if a setting that shapes the training
-    changed), and keeps the curve measured so far. `seconds` and `train_seconds` are this call's.
+    changed), and keeps the curve measured so far (`api.generative_capsules` takes the settings a resumed
+    call does not give from `RUN/generative/config.json`). `seconds` and `train_seconds` are this call's.
     """
-    GenerativeConfig(parents=parents, parent_dim=parent_dim, epochs=epochs, batch_size=batch_size,
-                     learning_rate=learning_rate, iterations=iterations, heldout=heldout, probe_train=probe_train,
-                     seed=seed)
+    layer_config = GenerativeConfig(
+        parents=parents, parent_dim=parent_dim, epochs=epochs, batch_size=batch_size, learning_rate=learning_rate,
+        iterations=iterations, heldout=heldout, probe_train=probe_train, seed=seed)
     run, config, model = load_capsnet(run_dir)
+    if resume:
+        check_same_model(run, (run.read_json(SETTINGS) or {}).get("settings") or {}, layer_config, SHAPE)
+    os.makedirs(os.path.join(run_dir, "generative"), exist_ok=True)
+    run.write_json(SETTINGS, {"kind": KIND, "settings": dataclasses.asdict(layer_config)})   # a resumed call's
     fresh = not resume or not run.per_epoch(CURVE)
     if fresh:
         run.remove(CURVE)                            # a new layer: its own curve only
@@ -153,8 +165,7 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     trainer = GenerativeCapsuleTrainer(layer, iterations=iterations)
     trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=True)
     usable = len(x_train) - len(x_train) % batch_size        # whole batches: one XLA computation
-    shape = {"parents": parents, "parent_dim": parent_dim, "batch_size": batch_size, "learning_rate": learning_rate,
-             "iterations": iterations, "heldout": heldout, "seed": seed}
+    shape = {name: getattr(layer_config, name) for name in SHAPE}
     fit_resumable(trainer, x_train[:usable], epochs=epochs, batch_size=batch_size, seed=seed,
                   checkpoint_dir=os.path.join(run.checkpoints, "generative"), checkpoint_config=shape, resume=resume,
                   fault_log=run.file("faults.jsonl"), callbacks=[_HeldOut(invert, x_test[pick], run)])

@@ -19,6 +19,8 @@ from poecaps.experiments.configs import BaselineConfig, LayerwiseConfig
 from poecaps.experiments.settings import SettingError
 
 _PRESETS = {"layerwise": {}, "baseline": {}}
+# The preset a new run of each kind starts from when none is named.
+DEFAULT = {"layerwise": "default", "baseline": "sabour2017"}
 
 
 def _preset(kind, name):

@@ -16,9 +16,9 @@ import numpy as np
 
 from poecaps import data as data_lib
 from poecaps.errors import InputError
-from poecaps.experiments import environment
+from poecaps.experiments import environment, presets
 from poecaps.experiments.configs import KINDS
-from poecaps.experiments.settings import SettingError, specs
+from poecaps.experiments.settings import SettingError, specs, with_values
 from poecaps.validation import check_images
 
 
@@ -143,6 +143,52 @@ def read_settings(run, config_cls):
         return config_cls(**settings)
     except SettingError as error:
         raise InputError(f"{run.file('config.json')}: {error}") from None
+
+
+def config_to_resume(run_dir, kind, preset=None, values=None):
+    """`(config, record)` of a resumed call: the settings `run_dir` was trained with, `values` changed.
+
+    A resumed call goes on as the run was set up. What it does not give
+    (epochs, learning rates, seed, data) comes from the run's `config.json`;
+    what it gives (`values`, `{field: value or command-line text}`) changes
+    it, each checked, and the pipeline then refuses a change of model. The
+    record keeps the run's preset and adds `values` to its overrides.
+    `preset`, if named, must be the run's own. A run with no `config.json`
+    yet has nothing to go on from: `preset` (None: the kind's default) with
+    `values`, as for a new run.
+    """
+    values = dict(values or {})
+    run = RunDir(run_dir, create=False) if os.path.isdir(run_dir) else None
+    record = run_record(run, kind) if run else None
+    if record is None:
+        name = preset or presets.DEFAULT[kind]
+        config = with_values(presets.get(kind, name), values)
+        return config, {"kind": kind, "preset": name, "overrides": {k: getattr(config, k) for k in values}}
+    trained = read_settings(run, KINDS[kind])
+    if preset is not None and preset != record.get("preset"):
+        raise InputError(f"{run_dir} was trained from preset {record.get('preset')!r}, not {preset!r}; resume it "
+                         "without a preset (it goes on with its own settings) or use a new run directory "
+                         "(--run-dir).")
+    config = with_values(trained, values)
+    overrides = {**(record.get("overrides") or {}), **{k: getattr(config, k) for k in values}}
+    return config, {"kind": kind, "preset": record.get("preset"), "overrides": overrides}
+
+
+def values_to_resume(run_dir, name, config_cls, values, kind=None):
+    """`values` over the settings of `config_cls` that `run_dir`'s `name` (`config.json`, say) recorded.
+
+    How a resumed call of a program without presets goes on as its run was
+    set up: what the call does not give (epochs, data folder, seed, ...)
+    comes from the run's record, what it gives changes it, and the program
+    refuses a change of model. Without a readable record of `kind` (a
+    missing run, nothing trained yet, another kind of run) it is `values`
+    alone, and the program says what is wrong.
+    """
+    found = RunDir(run_dir, create=False).read_json(name) if os.path.isdir(run_dir) else None
+    if found is None or (kind is not None and found.get("kind") != kind) or not isinstance(found.get("settings"), dict):
+        return dict(values)
+    fields = specs(config_cls)
+    return {**{k: v for k, v in found["settings"].items() if k in fields}, **values}
 
 
 def run_record(run, kind):

@@ -120,8 +120,8 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "run")
     study.train_run(run, epochs=1, batch_size=8, canvas=28, data_dir=digits, jit_compile=False)
     # the Python API resumes to two epochs and evaluates, as the script does
-    found = api.probabilistic_capsules(run, resume=True, jit_compile=False, epochs=2, batch_size=8, canvas=28,
-                                       data_dir=digits, tto_steps=2)
+    # (the other training settings, data folder included, are the run's own: config.json's)
+    found = api.probabilistic_capsules(run, resume=True, jit_compile=False, epochs=2, tto_steps=2)
     with open(os.path.join(run, "train.json")) as handle:
         train = json.load(handle)
     assert [e["epoch"] for e in train["curve"]] == [1, 2]          # epoch 1 from the first call, 2 from the resumed one
@@ -129,6 +129,7 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     with pytest.raises(InputError, match="other between_sparsity"):
         study.train_run(run, epochs=3, batch_size=8, canvas=28, data_dir=digits, resume=True, between_sparsity=1.0)
     assert train["settings"]["epochs"] == 2 and 0 < train["generative_parameters"] < 30000
+    assert (train["settings"]["batch_size"], train["settings"]["canvas"]) == (8, 28)
     with open(os.path.join(run, "eval.json")) as handle:
         assert json.load(handle) == json.loads(json.dumps(found))
     assert set(found["probe_accuracy"]) == {"t0", "t0_A0", "t0_logits", "t0_logits_A0", "vae"}
@@ -217,13 +218,13 @@ def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, mo
 @pytest.mark.slow
 def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_path):
     # Both studies end to end on a CapsNet trained without routing, as their scripts' runs are, at toy sizes.
+    from poecaps.errors import InputError
     from poecaps.experiments import api, capsnet_inference, generative_capsules
     from poecaps.experiments.baselines import train_baseline
     from poecaps.experiments.configs import BaselineConfig
     from poecaps.experiments.runs import load_images
     from poecaps.experiments.trained import load_capsnet
     from poecaps.models.saving import load_component
-    from poecaps.trainers.checkpoints import CheckpointError
 
     digits, run = _tiny_idx(tmp_path / "digits"), str(tmp_path / "capsnet")
     config = BaselineConfig(dataset="mnist", data_dir=digits, routing_iterations=0, epochs=1, batch_size=8, seed=0)
@@ -247,9 +248,11 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
 
     settings = {"parents": 4, "parent_dim": 4, "batch_size": 8, "iterations": 3, "heldout": 8, "probe_train": 16}
     first = generative_capsules.train_generative(run, epochs=1, **settings)
-    with pytest.raises(CheckpointError, match="different configuration"):       # resumed with another layer
-        api.generative_capsules(run, resume=True, epochs=2, **{**settings, "parents": 3})
-    found = api.generative_capsules(run, resume=True, epochs=2, **settings)
+    with pytest.raises(InputError, match=r"other parents \(was 4\)"):       # resumed with another layer
+        api.generative_capsules(run, resume=True, epochs=2, parents=3)
+    found = api.generative_capsules(run, resume=True, epochs=2)          # the other settings: the layer's own
+    assert {k: found[k] for k in ("parents", "parent_dim", "batch_size", "iterations")} == {
+        k: settings[k] for k in ("parents", "parent_dim", "batch_size", "iterations")}
     assert [e["epoch"] for e in found["curve"]] == [0, 1, 2]
     assert found["curve"][:2] == first["curve"]                  # the first call's curve kept, not measured again
     assert set(found["probe_accuracy"]) == {"learned", "random_g"} and os.path.getsize(found["figure"]) > 0
@@ -262,5 +265,6 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     # float32 EM under XLA in the run, eager here: coefficients to ~1e-6, entropies averaged over all children
     np.testing.assert_allclose(np.mean(entropy), found["coefficient_entropy_over_log_j"], atol=1e-4)
     with open(os.path.join(run, "environment.jsonl")) as handle:
+        # the refused resume adds no line
         assert [json.loads(line)["action"] for line in handle] == ["train", "sparse inference"] + [
-            "generative layer"] * 3
+            "generative layer"] * 2

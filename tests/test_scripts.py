@@ -99,6 +99,13 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
         assert json.load(handle)["settings"]["encoder_epochs"] == 2   # the last call's settings
     assert {stage: stages[stage]["settings"]["encoder_epochs"] for stage in stages} == {
         "autoencoder": 1, "encoder": 1, "decoder": 1, "rbm": 1}   # each stage's own
+    with open(os.path.join(run, "config.json")) as handle:
+        before = json.load(handle)
+    # --resume alone goes on with the run's own settings (seed 3, its data, 2 encoder epochs), not the preset's
+    resumed = _run("train_layerwise.py", "--run-dir", run, "--resume", "--no-evaluate")
+    assert resumed.count("already trained") == 4
+    with open(os.path.join(run, "config.json")) as handle:
+        assert json.load(handle) == before
     # another decoder rule is another decoder: refused, naming the setting
     _, err = _run("train_layerwise.py", *_small(mnist_dir, run, "--set", "decoder_rule=section41", "--resume"),
                   stderr=True, code=2)
@@ -126,10 +133,10 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     _check_sampler_draws(run, result["poecaps"], result["result_grid"], err)
     _check_class_mean_reference(run, result["class_mean_reference"])
     _check_groups(run, result)
-    # training, its result grid and evaluation, the resumed training, sample.py, evaluate.py; the refused resume
-    # adds nothing
-    _check_environment(run, ["train", "sample", "evaluate", "train", "sample", "evaluate"],
-                       ["train_layerwise.py"] * 4 + ["sample.py", "evaluate.py"])
+    # training, its result grid and evaluation, the two resumed trainings, sample.py, evaluate.py; the refused
+    # resume adds nothing
+    _check_environment(run, ["train", "sample", "evaluate", "train", "train", "sample", "evaluate"],
+                       ["train_layerwise.py"] * 5 + ["sample.py", "evaluate.py"])
 
 
 def _check_environment(run, actions, scripts):
