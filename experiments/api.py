@@ -51,16 +51,14 @@ from poecaps.experiments.toy_routing import toy_routing as _toy_routing
 
 def layerwise_config(preset="default", **settings):
     """`(config, record)`: the layer-wise preset with `settings` changed, and what `config.json` keeps of it."""
-    config = with_values(presets.get("layerwise", preset), settings)
-    return config, {"kind": "layerwise", "preset": preset,
-                    "overrides": {name: getattr(config, name) for name in settings}}
+    return presets.configured("layerwise", preset, settings)
 
 
 def train(run_dir, preset=None, stages=STAGES, resume=False, **settings):
     """Train the layer-wise stages of `preset` (None: "default") with `settings` changed into `run_dir`; returns
     `run_dir`. With `resume` the run goes on with its own settings, `settings` changed (`runs.config_to_resume`)."""
     config, record = (config_to_resume(run_dir, "layerwise", preset, settings) if resume
-                      else layerwise_config(preset or presets.DEFAULT["layerwise"], **settings))
+                      else presets.configured("layerwise", preset, settings))
     train_layerwise(config, run_dir, record, stages=stages, resume=resume)
     return run_dir
 
@@ -102,13 +100,8 @@ def baseline(run_dir, preset=None, resume=False, test_limit=None, **settings):
     trains the network, as the script and `compare_routing` draw it.
     Returns the run's `eval.json` figures.
     """
-    if resume:
-        config, record = config_to_resume(run_dir, "baseline", preset, settings)
-    else:
-        preset = preset or presets.DEFAULT["baseline"]
-        config = with_values(presets.get("baseline", preset), settings)
-        record = {"kind": "baseline", "preset": preset,
-                  "overrides": {name: getattr(config, name) for name in settings}}
+    config, record = (config_to_resume(run_dir, "baseline", preset, settings) if resume
+                      else presets.configured("baseline", preset, settings))
     train_baseline(config, run_dir, record, resume=resume)
     return evaluate_baseline(run_dir, _evaluation(test_limit))
 

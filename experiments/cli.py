@@ -72,9 +72,7 @@ def config_from_args(kind, args, shortcuts=()):
     values = flag_values(args, shortcuts)
     if getattr(args, "resume", False):
         return config_to_resume(args.run_dir, kind, args.preset, values)
-    preset = args.preset or presets.DEFAULT[kind]
-    config = with_values(presets.get(kind, preset), values)
-    return config, {"kind": kind, "preset": preset, "overrides": {name: getattr(config, name) for name in values}}
+    return presets.configured(kind, args.preset, values)
 
 
 def add_config_flags(p, config_cls, names=None):

@@ -188,8 +188,7 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
                            "random_g": probe(random_train, random_test)},
         "seconds": time.perf_counter() - start, "train_seconds": train_seconds,
     }
-    out = os.path.join(run_dir, "generative")
-    os.makedirs(out, exist_ok=True)
+    out = os.path.join(run_dir, "generative")            # made when training started
     save_component(keras.Sequential([keras.Input(x_train.shape[1:]), layer]), os.path.join(run.models,
                                                                                           "generative.keras"))
     decoder = _decoder(train_parents, train[few], seed)

@@ -16,7 +16,7 @@ the `default` preset's 4 here (same computation), and CapsNet's earlier 2 is
 import dataclasses
 
 from poecaps.experiments.configs import BaselineConfig, LayerwiseConfig
-from poecaps.experiments.settings import SettingError
+from poecaps.experiments.settings import SettingError, with_values
 
 _PRESETS = {"layerwise": {}, "baseline": {}}
 # The preset a new run of each kind starts from when none is named.
@@ -220,3 +220,15 @@ def get(kind, name):
     if name not in _PRESETS[kind]:
         raise SettingError(f"Unknown {kind} preset {name!r}; known: {', '.join(_PRESETS[kind])}.")
     return _PRESETS[kind][name]()
+
+
+def configured(kind, name=None, values=None):
+    """`(config, record)`: preset `name` of `kind` (None: `DEFAULT[kind]`) with `values` set, each checked.
+
+    `record` is what `config.json` keeps of it: `{"kind", "preset",
+    "overrides"}`, the overrides as checked values.
+    """
+    name = name or DEFAULT[kind]
+    values = dict(values or {})
+    config = with_values(get(kind, name), values)
+    return config, {"kind": kind, "preset": name, "overrides": {k: getattr(config, k) for k in values}}

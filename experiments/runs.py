@@ -161,9 +161,7 @@ def config_to_resume(run_dir, kind, preset=None, values=None):
     run = RunDir(run_dir, create=False) if os.path.isdir(run_dir) else None
     record = run_record(run, kind) if run else None
     if record is None:
-        name = preset or presets.DEFAULT[kind]
-        config = with_values(presets.get(kind, name), values)
-        return config, {"kind": kind, "preset": name, "overrides": {k: getattr(config, k) for k in values}}
+        return presets.configured(kind, preset, values)
     trained = read_settings(run, KINDS[kind])
     if preset is not None and preset != record.get("preset"):
         raise InputError(f"{run_dir} was trained from preset {record.get('preset')!r}, not {preset!r}; resume it "
