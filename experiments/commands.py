@@ -88,7 +88,7 @@ def _baseline(argv=None):
         values["seed"] = args.seed
     evaluation = with_values(BaselineEvaluationConfig(), values)
     if args.evaluate_only:
-        given = ["--set"] * bool(args.set) + ["--resume"] * args.resume + [
+        given = ["--preset"] * (args.preset is not None) + ["--set"] * bool(args.set) + ["--resume"] * args.resume + [
             "--" + name.replace("_", "-") for name in shortcuts if name != "seed" and getattr(args, name)]
         if given:
             raise SettingError(f"--evaluate-only evaluates the run as it was trained; it takes no "

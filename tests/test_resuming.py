@@ -96,3 +96,23 @@ def test_the_command_lines_resume_with_the_runs_settings(tmp_path, monkeypatch):
     config, record, resume = seen["baseline"]
     assert config == dataclasses.replace(presets.get("baseline", "faria2019-uniform"), epochs=6, seed=2)
     assert record["preset"] == "faria2019-uniform" and record["overrides"] == {"epochs": 6, "seed": 2} and resume
+
+
+def test_evaluate_only_refuses_the_training_flags_by_name(tmp_path, monkeypatch):
+    """`baseline.py --evaluate-only` evaluates the run as it was trained: a preset or a setting given is refused."""
+    from poecaps.experiments import baseline_evaluation, baselines, commands
+    from poecaps.experiments.settings import SettingError
+
+    evaluated = []
+    monkeypatch.setattr(baselines, "train_baseline", lambda *args, **kw: pytest.fail("--evaluate-only trained"))
+    monkeypatch.setattr(baseline_evaluation, "evaluate_baseline",
+                        lambda run_dir, evaluation: evaluated.append(evaluation.seed) or {})
+    run = _trained(tmp_path, "baseline", "sabour2017", epochs=2)
+    for flags, named in ((["--preset", "hinton2018-small"], "--preset"), (["--set", "epochs=3"], "--set"),
+                         (["--resume"], "--resume"), (["--epochs", "3"], "--epochs"),
+                         (["--preset", "sabour2017", "--limit", "8"], "--preset, --limit")):
+        with pytest.raises(SettingError, match=f"it takes no {named}\\.$"):
+            commands._baseline(["--run-dir", run, "--evaluate-only", *flags])
+    assert evaluated == []
+    commands._baseline(["--run-dir", run, "--evaluate-only", "--seed", "4"])   # --seed draws the affine set
+    assert evaluated == [4]
