@@ -144,8 +144,7 @@ def train_baseline(config, run_dir, record=None, resume=False):
     if resume:
         _resume_state(run, config, existing)
     else:
-        for name in ("metrics.jsonl", "faults.jsonl", "environment.jsonl"):
-            run.remove(name)
+        run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
     strategy = distribute.get_strategy(config.strategy)
     settings = dataclasses.asdict(config)
     record = record or existing or {"kind": "baseline", "preset": None, "overrides": {}}

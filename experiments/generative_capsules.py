@@ -138,8 +138,10 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     os.makedirs(os.path.join(run_dir, "generative"), exist_ok=True)
     run.write_json(SETTINGS, {"kind": KIND, "settings": dataclasses.asdict(layer_config)})   # a resumed call's
     fresh = not resume or not run.per_epoch(CURVE)
-    if fresh:
-        run.remove(CURVE)                            # a new layer: its own curve only
+    if not resume:                                   # a new layer: its own curve only
+        run.start_afresh((CURVE,), os.path.join(run.checkpoints, "generative"), "generative layer")
+    elif fresh:
+        run.remove(CURVE)
     run.record_environment("generative layer")
     keras.utils.set_random_seed(seed)
     train, train_labels, _ = load_images(config, "train")

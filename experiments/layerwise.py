@@ -275,10 +275,9 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     run = RunDir(run_dir)
     state = _resume_state(run, config, resume)
     if not resume:
+        run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
         for name in os.listdir(run.checkpoints):
             shutil.rmtree(os.path.join(run.checkpoints, name), ignore_errors=True)
-        for name in ("metrics.jsonl", "faults.jsonl", "environment.jsonl"):
-            run.remove(name)
     settings = dataclasses.asdict(config)
     state["settings"] = settings
     run.write_json("config.json", {**(record or {"kind": "layerwise", "preset": None, "overrides": {}}),

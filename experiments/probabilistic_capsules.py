@@ -168,8 +168,7 @@ def train_run(run_dir, epochs=100, batch_size=64, learning_rate=1e-3, canvas=40,
             raise InputError(f"{run.path} was trained with other {', '.join(changed)}; resume with the same values.")
     run.write_json("config.json", {"kind": KIND, "settings": settings})
     if not resume:
-        for name in ("metrics.jsonl", "environment.jsonl"):            # a new run: its own records only
-            run.remove(name)
+        run.start_afresh(("metrics.jsonl", "environment.jsonl"))      # a new run: its own records only
     run.record_environment("train")
     x_train, _ = load_digits(data_dir, "train", canvas)
     x_test, _ = load_digits(data_dir, "test", canvas)

@@ -118,6 +118,24 @@ class RunDir:
         if os.path.exists(self.file(name)):
             os.remove(self.file(name))
 
+    def start_afresh(self, logs, checkpoints=None, what="run"):
+        """Before a training call without resume: delete the earlier run's `logs` (file names) and say so.
+
+        A new run replaces what it finds, its checkpoints included (those in
+        the folder `checkpoints`, default all of the run's, are cleared by the
+        caller or by `fit_resumable`); if an earlier run left logs or
+        checkpoints here, one printed line says it is replaced and how to go
+        on with it instead, so that a repeated command never drops a trained
+        run unannounced. `what` names it in that line.
+        """
+        found = [name for name in logs if os.path.exists(self.file(name))]
+        checkpoints = any(files for _, _, files in os.walk(checkpoints or self.checkpoints))
+        for name in found:
+            self.remove(name)
+        if found or checkpoints:
+            print(f"A new {what} in {self.path}: the earlier {what}'s checkpoints and logs there are replaced "
+                  "(resuming, --resume, goes on with it instead).", flush=True)
+
 
 def read_settings(run, config_cls):
     """The config a run was trained with (`config.json`), checked; errors say what is wrong with the run.

@@ -143,3 +143,29 @@ def test_a_run_keeps_the_last_entry_of_each_epoch_of_a_json_lines_file(tmp_path)
     run.remove("sub/curve.jsonl")
     run.remove("sub/curve.jsonl")                                       # gone already: nothing to do
     assert run.per_epoch("sub/curve.jsonl") == []
+
+
+def test_a_new_run_clears_the_earlier_runs_logs_and_says_so(tmp_path, capsys):
+    from poecaps.experiments.runs import RunDir
+
+    run = RunDir(str(tmp_path / "run"))
+    run.start_afresh(("metrics.jsonl",))                                # nothing there: nothing said
+    assert capsys.readouterr().out == ""
+    run.append_metrics({"epoch": 1})
+    run.append_jsonl("faults.jsonl", {"step": 3})
+    run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
+    assert not os.path.exists(run.file("metrics.jsonl")) and not os.path.exists(run.file("faults.jsonl"))
+    said = capsys.readouterr().out.splitlines()
+    assert said == [(f"A new run in {run.path}: the earlier run's checkpoints and logs there are replaced "
+                     "(resuming, --resume, goes on with it instead).")]
+    # checkpoints alone (an epoch written, no log yet) are an earlier run too; only those in the folder named count
+    _write(run.checkpoints, os.path.join("capsnet", "ckpt-1.weights.h5"), b"\0")
+    run.start_afresh(("metrics.jsonl",), os.path.join(run.checkpoints, "generative"), "generative layer")
+    assert capsys.readouterr().out == ""
+    _write(run.checkpoints, os.path.join("generative", "ckpt-1.weights.h5"), b"\0")
+    run.start_afresh(("metrics.jsonl",), os.path.join(run.checkpoints, "generative"), "generative layer")
+    assert capsys.readouterr().out.startswith(f"A new generative layer in {run.path}: the earlier generative layer's")
+    other = RunDir(str(tmp_path / "other"))
+    os.makedirs(os.path.join(other.checkpoints, "capsnet"))
+    other.start_afresh(("metrics.jsonl",))                              # empty folders hold no run
+    assert capsys.readouterr().out == ""
