@@ -129,10 +129,10 @@ class RunDir:
         run unannounced. `what` names it in that line.
         """
         found = [name for name in logs if os.path.exists(self.file(name))]
-        checkpoints = any(files for _, _, files in os.walk(checkpoints or self.checkpoints))
+        checkpointed = any(files for _, _, files in os.walk(checkpoints or self.checkpoints))
         for name in found:
             self.remove(name)
-        if found or checkpoints:
+        if found or checkpointed:
             print(f"A new {what} in {self.path}: the earlier {what}'s checkpoints and logs there are replaced "
                   "(resuming, --resume, goes on with it instead).", flush=True)
 
