@@ -160,6 +160,8 @@ def test_a_new_run_clears_the_earlier_runs_logs_and_says_so(tmp_path, capsys):
                      "(resuming, --resume, goes on with it instead).")]
     # checkpoints alone (an epoch written, no log yet) are an earlier run too; only those in the folder named count
     _write(run.checkpoints, os.path.join("capsnet", "ckpt-1.weights.h5"), b"\0")
+    run.start_afresh(("metrics.jsonl",))
+    assert capsys.readouterr().out.startswith(f"A new run in {run.path}: the earlier run's")
     run.start_afresh(("metrics.jsonl",), os.path.join(run.checkpoints, "generative"), "generative layer")
     assert capsys.readouterr().out == ""
     _write(run.checkpoints, os.path.join("generative", "ckpt-1.weights.h5"), b"\0")
