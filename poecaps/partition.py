@@ -109,10 +109,11 @@ def exact_log_partition(rbm, max_units=22, chunk=1 << 14, verbose=1):
 def log_likelihood(rbm, v, log_partition):
     """`log P(v) = -F(v) - log Z` of binary visible vectors `v [B, V]`, float64 `[B]`.
 
-    `log_partition` is `exact_log_partition(rbm)` or an AIS estimate (then
-    the log-likelihoods carry its error, the same for every example). `v`
-    must be 0 or 1: `P` is a distribution over binary vectors, so grey
-    images are binarised first (for example `v > 0.5`, or a Bernoulli draw).
+    `log_partition` is `exact_log_partition(rbm)` or an AIS estimate (its
+    `AISResult` or the float; then every log-likelihood carries its error,
+    the same for every example). `v` must be 0 or 1: `P` is a distribution
+    over binary vectors, so grey images are binarised first (for example
+    `v > 0.5`, or a Bernoulli draw).
     """
     W, b, a = parameters(rbm)
     v = check_array(v, "v", shape=(W.shape[0],), low=0.0, high=1.0).astype(np.float64)
@@ -120,6 +121,10 @@ def log_likelihood(rbm, v, log_partition):
         raise InputError("v must be binary (0 or 1): the RBM's likelihood is over binary vectors; binarise grey "
                          f"values first (e.g. v > 0.5). Received: values between 0 and 1, e.g. "
                          f"{v[(v != 0.0) & (v != 1.0)][0]:g}")
+    if isinstance(log_partition, AISResult):
+        log_partition = log_partition.log_partition
+    if not np.isfinite(log_partition):
+        raise InputError(f"log_partition must be a finite number. Received: log_partition={log_partition!r}")
     return v @ b + _softplus(a + v @ W).sum(axis=1) - float(log_partition)
 
 

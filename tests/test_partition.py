@@ -64,6 +64,9 @@ def test_ais_estimate_is_within_four_standard_errors_of_the_exact_value(base):
     assert result.std_error < 0.02
     assert abs(result.log_partition - exact) < 4 * result.std_error
     assert result.log_weights.shape == (500,)
+    v = data[:3]
+    np.testing.assert_array_equal(partition.log_likelihood(rbm, v, result),
+                                  partition.log_likelihood(rbm, v, result.log_partition))
     assert result.log_base_partition == pytest.approx(6 * np.log(2) + np.logaddexp(0, bias if bias is not None
                                                                                     else np.zeros(10)).sum())
 
@@ -96,6 +99,8 @@ def test_bad_inputs_are_refused_by_name():
         partition.log_likelihood(rbm, np.full((2, 5), 0.5), 1.0)
     with pytest.raises(InputError, match=r"shape \[N, 5\]"):
         partition.log_likelihood(rbm, np.zeros((2, 4)), 1.0)
+    with pytest.raises(InputError, match="log_partition must be a finite number"):
+        partition.log_likelihood(rbm, np.zeros((2, 5)), float("nan"))
     with pytest.raises(InputError, match="ais_log_partition"):
         partition.exact_log_partition(rbm, max_units=2)
     for betas in (1, [0.0, 0.5], [0.0, 0.6, 0.4, 1.0], [0.1, 1.0]):
