@@ -5,6 +5,7 @@
     run = api.train("runs/quick", preset="default", dataset="mnist", limit=2000)
     api.sample(run)          # run/samples.png, run/samples.npz
     print(api.evaluate(run)["result_grid"])
+    rbm = api.load(run, "rbm")                # a trained component, as Keras loads it
 
     figures = api.baseline("runs/capsnet", preset="sabour2017", epochs=2)   # trained, then eval.json
     results, table = api.compare_routing("runs/routing", epochs=1)          # the routing table
@@ -47,6 +48,7 @@ from poecaps.experiments.runs import config_to_resume, values_to_resume
 from poecaps.experiments.sampling import sample_run
 from poecaps.experiments.settings import SettingError, with_values
 from poecaps.experiments.toy_routing import toy_routing as _toy_routing
+from poecaps.experiments.trained import load_saved
 
 
 def layerwise_config(preset="default", **settings):
@@ -71,6 +73,18 @@ def sample(run_dir, rows=None, domain=None, seed=0):
 def evaluate(run_dir, config=None):
     """Write and return the run's `eval.json` (`config`: an `EvaluationConfig`)."""
     return evaluate_run(run_dir, config)
+
+
+def load(run_dir, component):
+    """A trained component of any run, as Keras loads it from `run_dir/models/<component>.keras`.
+
+    A layer-wise run holds "autoencoder", "encoder", "decoder", "rbm" (and
+    after evaluation "reference_classifier"); a baseline run "model"; the
+    research programs their own (`scripts/probabilistic_capsules.py`:
+    "capsules", "vae"; the generative layer: "generative"). An unknown name
+    is an `InputError` that lists what the run holds.
+    """
+    return load_saved(run_dir, component)
 
 
 def run_layerwise(config, run_dir, record=None, stages=STAGES, resume=False, evaluate=True):

@@ -39,6 +39,24 @@ def load_capsnet(run_dir):
     return run, config, model
 
 
+def saved_components(run):
+    """Names of the trained components saved in `run.models` (`<name>.keras`), sorted."""
+    if not os.path.isdir(run.models):
+        return []
+    return sorted(name[:-len(".keras")] for name in os.listdir(run.models)
+                  if name.endswith(".keras") and not name.endswith(".tmp.keras"))
+
+
+def load_saved(run_dir, name):
+    """The component `name` saved in `run_dir/models/<name>.keras`; an `InputError` naming what the run holds."""
+    run = RunDir(run_dir, create=False)
+    saved = saved_components(run)
+    if name not in saved:
+        holds = ", ".join(repr(s) for s in saved) if saved else "no trained component yet"
+        raise InputError(f"{run_dir} has no trained component {name!r}; it holds {holds}.")
+    return load_component(os.path.join(run.models, f"{name}.keras"))
+
+
 def load_rbm(run):
     """The run's trained RBM, or None."""
     path = os.path.join(run.models, "rbm.keras")

@@ -112,3 +112,32 @@ def test_the_research_functions_defaults_are_their_configs():
         for field in dataclasses.fields(config_cls):
             default = parameters[field.name].default
             assert default == field.default, (function.__name__, field.name)
+
+
+def test_load_returns_a_runs_trained_component_and_names_what_the_run_holds(tmp_path):
+    import numpy as np
+
+    from poecaps import partition
+    from poecaps.errors import InputError
+    from poecaps.experiments import api
+    from poecaps.experiments.runs import RunDir
+    from poecaps.models.saving import save_component
+    from poecaps.rbm import BernoulliRBM
+
+    run = RunDir(str(tmp_path / "run"))
+    rbm = BernoulliRBM(3, seed=1)
+    rbm.build((None, 5))
+    rbm.set_weights([np.random.default_rng(0).normal(size=w.shape) for w in rbm.get_weights()])
+    save_component(rbm, f"{run.models}/rbm.keras")
+    open(f"{run.models}/encoder.tmp.keras", "w").close()         # a save cut short is not a component
+    loaded = api.load(run.path, "rbm")
+    assert isinstance(loaded, BernoulliRBM)
+    for saved, found in zip(rbm.get_weights(), loaded.get_weights()):
+        np.testing.assert_array_equal(saved, found)
+    assert partition.exact_log_partition(loaded, verbose=0) == partition.exact_log_partition(rbm, verbose=0)
+    with pytest.raises(InputError, match=r"has no trained component 'encoder'; it holds 'rbm'\."):
+        api.load(run.path, "encoder")
+    with pytest.raises(InputError, match="no trained component yet"):
+        api.load(RunDir(str(tmp_path / "empty")).path, "rbm")
+    with pytest.raises(InputError, match="No run directory"):
+        api.load(str(tmp_path / "missing"), "rbm")
