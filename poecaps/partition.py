@@ -25,6 +25,7 @@ import collections
 import keras
 import numpy as np
 import tensorflow as tf
+from scipy.special import logsumexp
 
 from poecaps.errors import InputError
 from poecaps.rbm import BernoulliRBM
@@ -54,11 +55,6 @@ def parameters(rbm):
 
 def _softplus(x):
     return np.logaddexp(0.0, x)
-
-
-def _logsumexp(x):
-    top = np.max(x)
-    return float(top + np.log(np.sum(np.exp(x - top))))
 
 
 def _binary_states(n, start, stop):
@@ -101,9 +97,9 @@ def exact_log_partition(rbm, max_units=22, chunk=1 << 14, verbose=1):
         else:
             # [S, V] x [V, H] -> [S, H]
             t = s @ b + _softplus(a + s @ W).sum(axis=1)
-        terms.append(_logsumexp(t))
+        terms.append(float(logsumexp(t)))
         progress.update(min(start + chunk, 1 << n))
-    return _logsumexp(np.array(terms))
+    return float(logsumexp(np.array(terms)))
 
 
 def log_likelihood(rbm, v, log_partition):
@@ -243,4 +239,4 @@ def ais_log_partition(rbm, chains=100, betas=10000, base_visible_bias=None, seed
     log_z0 = W.shape[1] * np.log(2.0) + float(_softplus(base).sum())
     w = np.exp(log_w - log_w.max())
     std_error = float(w.std(ddof=1) / (np.sqrt(chains) * w.mean())) if chains > 1 else float("inf")
-    return AISResult(log_z0 + _logsumexp(log_w) - np.log(chains), std_error, log_w, log_z0)
+    return AISResult(log_z0 + float(logsumexp(log_w)) - np.log(chains), std_error, log_w, log_z0)
