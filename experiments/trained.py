@@ -59,7 +59,8 @@ def load_saved(run_dir, name):
 
 def load_rbm(run):
     """The run's trained RBM, or None."""
-    return load_saved(run.path, "rbm") if "rbm" in saved_components(run) else None
+    path = os.path.join(run.models, "rbm.keras")
+    return load_component(path) if os.path.exists(path) else None
 
 
 def _fingerprint(pipeline, images):
