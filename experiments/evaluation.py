@@ -14,7 +14,7 @@ import time
 import keras
 import numpy as np
 
-from poecaps import metrics
+from poecaps import metrics, partition
 from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import DOMAINS, EvaluationConfig, LayerwiseConfig
@@ -98,13 +98,39 @@ def _result_grid(run, classifier, classes):
     return found
 
 
+def rbm_likelihood(rbm, train, test, seed, max_units=22):
+    """The RBM's mean log-likelihood of the test images, each binarised once, beside independent pixels' (nats).
+
+    The RBM is a distribution over binary images, so each test image is
+    drawn once, every pixel on with its grey value as probability
+    (`partition.binarise(test, seed)`). `log Z` is exact over the smaller
+    layer's states up to `max_units` units, else estimated by AIS (100
+    chains, 10,000 temperatures, from the training images' base-rate
+    model; its standard error is reported). The comparison is the
+    independent-pixel model fitted to the training images
+    (`partition.base_rate_bias`), whose `log Z` is closed-form.
+    """
+    flat = lambda x: x.reshape(len(x), -1)
+    v = partition.binarise(flat(test), seed)
+    base = partition.base_rate_bias(flat(train))
+    log_z, std_error, method = partition.log_partition(rbm, max_units, base_visible_bias=base, seed=seed)
+    return {"test_log_likelihood": float(partition.log_likelihood(rbm, v, log_z).mean()),
+            "independent_pixels_test_log_likelihood": float(partition.independent_log_likelihood(base, v).mean()),
+            "log_partition": log_z, "log_partition_method": method, "log_partition_std_error": std_error,
+            "binarisation_seed": seed}
+
+
 def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classes, run, config):
-    """The baseline's figures: reconstruction, probe on P(on), samples' specialisation."""
+    """The baseline's figures: reconstruction, probe on P(on), samples' specialisation, log-likelihood."""
     flat = lambda x: x.reshape(len(x), -1)
     hidden_train, hidden_test = batched(rbm.p_on, flat(train)), batched(rbm.p_on, flat(test))
     rbm_images = RBMSampler(rbm, train.shape[1:], seed=config.seed).sample(config.rows)["images"]
     figures.image_grid(rbm_images[:4], run.file("rbm_samples.png"),
                        title="Bernoulli RBM: one column per hidden unit")
+    likelihood = rbm_likelihood(rbm, train, test, config.seed)
+    print(f"[evaluate] Bernoulli RBM: test log-likelihood {likelihood['test_log_likelihood']:.2f} nats "
+          f"(log Z {likelihood['log_partition_method']}), independent pixels "
+          f"{likelihood['independent_pixels_test_log_likelihood']:.2f}", file=sys.stderr, flush=True)
     return {
         "hidden_units": rbm.num_hidden,
         "reconstruction_mse": metrics.mse(
@@ -113,6 +139,7 @@ def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classe
             hidden_train, train_labels, hidden_test, test_labels),
         "samples_full": _specialisation(classifier, rbm_images, classes),
         "probability_selectivity": metrics.class_selectivity(hidden_test, test_labels, classes),
+        "likelihood": likelihood,
     }
 
 

@@ -10,14 +10,16 @@ binary `v` and `h`),
 `exact_log_partition` sums over the smaller layer's 2^n states (n at most
 `max_units`). `ais_log_partition` estimates `log Z` by annealed importance
 sampling (Neal 2001; Salakhutdinov and Murray 2008, "On the quantitative
-analysis of deep belief networks", section 4), which scales to any size.
-Everything is computed in float64.
+analysis of deep belief networks", section 4), which scales to any size;
+`log_partition` takes the first when it can. `binarise` draws binary data
+from grey images; `independent_log_likelihood` is the independent-pixel
+model an RBM should beat. Everything is computed in float64.
 
 Example:
 
     log_z = partition.ais_log_partition(rbm, chains=100, betas=10000).log_partition
     # (or partition.exact_log_partition(rbm) for up to 22 hidden or visible units)
-    nats = partition.log_likelihood(rbm, (x_test > 0.5).astype("float32"), log_z).mean()
+    nats = partition.log_likelihood(rbm, partition.binarise(x_test, seed=0), log_z).mean()
 """
 
 import collections
@@ -86,18 +88,16 @@ def exact_log_partition(rbm, max_units=22, chunk=1 << 14, verbose=1):
     if n > max_units:
         raise InputError(f"Exact enumeration of the smaller layer's 2^{n} states is refused above max_units="
                          f"{max_units} units; estimate log Z with ais_log_partition instead.")
-    over_hidden = W.shape[1] <= W.shape[0]
+    # Enumerate the smaller layer (rows of `kernel`), the other one's softplus summed out.
+    kernel, enumerated_bias, summed_bias = (W.T, a, b) if W.shape[1] <= W.shape[0] else (W, b, a)
+    kernel, summed_bias = tf.constant(kernel, tf.float64), tf.constant(summed_bias, tf.float64)
     terms = []
     progress = keras.utils.Progbar(1 << n, verbose=verbose, unit_name="state")
     for start in range(0, 1 << n, chunk):
         s = _binary_states(n, start, min(start + chunk, 1 << n))
-        if over_hidden:
-            # [S, H] x [V, H]^T -> [S, V]
-            t = s @ a + _softplus(b + s @ W.T).sum(axis=1)
-        else:
-            # [S, V] x [V, H] -> [S, H]
-            t = s @ b + _softplus(a + s @ W).sum(axis=1)
-        terms.append(float(logsumexp(t)))
+        # [S, n] x [n, m] -> [S, m]; TensorFlow's softplus uses every core, NumPy's logaddexp one
+        summed = tf.reduce_sum(tf.math.softplus(summed_bias + tf.matmul(tf.constant(s), kernel)), axis=1)
+        terms.append(float(logsumexp(s @ enumerated_bias + summed.numpy())))
         progress.update(min(start + chunk, 1 << n))
     return float(logsumexp(np.array(terms)))
 
@@ -112,11 +112,7 @@ def log_likelihood(rbm, v, log_partition):
     `v > 0.5`, or a Bernoulli draw).
     """
     W, b, a = parameters(rbm)
-    v = check_array(v, "v", shape=(W.shape[0],), low=0.0, high=1.0).astype(np.float64)
-    if not np.all((v == 0.0) | (v == 1.0)):
-        raise InputError("v must be binary (0 or 1): the RBM's likelihood is over binary vectors; binarise grey "
-                         f"values first (e.g. v > 0.5). Received: values between 0 and 1, e.g. "
-                         f"{v[(v != 0.0) & (v != 1.0)][0]:g}")
+    v = _binary(check_array(v, "v", shape=(W.shape[0],), low=0.0, high=1.0))
     if isinstance(log_partition, AISResult):
         log_partition = log_partition.log_partition
     if not np.isfinite(log_partition):
@@ -136,6 +132,56 @@ def base_rate_bias(v, smoothing=1.0):
         raise InputError(f"smoothing must be > 0. Received: smoothing={smoothing!r}")
     p = (v.sum(axis=0) + smoothing) / (len(v) + 2.0 * smoothing)
     return np.log(p) - np.log1p(-p)
+
+
+def independent_log_likelihood(visible_bias, v):
+    """`log P(v) = b_0^T v - sum_i softplus(b_0i)` of binary `v [B, V]` under independent units, float64 `[B]`.
+
+    The RBM with no hidden units and visible bias `b_0` (its `log Z` is
+    `sum_i softplus(b_0i)`): with `base_rate_bias(train)`, the
+    independent-pixel model that an RBM's log-likelihood should beat.
+    """
+    bias = np.asarray(visible_bias, dtype=np.float64)
+    if bias.ndim != 1 or not np.isfinite(bias).all():
+        raise InputError(f"visible_bias must be a vector of finite numbers. Received: shape {bias.shape}")
+    v = _binary(check_array(v, "v", shape=(bias.shape[0],), low=0.0, high=1.0))
+    return v @ bias - float(_softplus(bias).sum())
+
+
+def binarise(x, seed=0):
+    """One Bernoulli draw of each grey value of `x` in [0, 1] (pixel on with probability its value), float32.
+
+    How grey images become the binary data whose likelihood an RBM defines
+    (Salakhutdinov and Murray 2008, section 5: MNIST binarised
+    stochastically). The same `seed` repeats the draw (NumPy's PCG64).
+    """
+    x = check_array(x, "x", low=0.0, high=1.0)
+    seed = check_integer(seed, "seed", minimum=0)
+    return (np.random.default_rng(seed).random(x.shape) < x).astype(np.float32)
+
+
+def log_partition(rbm, max_units=22, chains=100, betas=10000, base_visible_bias=None, seed=0, verbose=0):
+    """`log Z` exactly when the smaller layer has at most `max_units` units, else by AIS.
+
+    Returns `(log_z, std_error, method)`: `std_error` 0.0 and method
+    "exact" from `exact_log_partition`, or `ais_log_partition`'s estimate
+    and standard error and "ais" (`chains`, `betas`, `base_visible_bias`,
+    `seed` are AIS's).
+    """
+    W, _, _ = parameters(rbm)
+    if min(W.shape) <= check_integer(max_units, "max_units"):
+        return exact_log_partition(rbm, max_units=max_units, verbose=verbose), 0.0, "exact"
+    found = ais_log_partition(rbm, chains, betas, base_visible_bias, seed, verbose)
+    return found.log_partition, found.std_error, "ais"
+
+
+def _binary(v):
+    v = v.astype(np.float64)
+    if not np.all((v == 0.0) | (v == 1.0)):
+        raise InputError("v must be binary (0 or 1): the RBM's likelihood is over binary vectors; binarise grey "
+                         f"values first (e.g. v > 0.5, or partition.binarise). Received: values between 0 and 1, "
+                         f"e.g. {v[(v != 0.0) & (v != 1.0)][0]:g}")
+    return v
 
 
 def _check_betas(betas):

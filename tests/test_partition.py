@@ -5,9 +5,11 @@ import itertools
 import keras
 import numpy as np
 import pytest
+from scipy import special, stats
 
 from poecaps import partition
 from poecaps.errors import InputError
+from poecaps.experiments.evaluation import rbm_likelihood
 from poecaps.rbm import BernoulliRBM
 
 
@@ -93,6 +95,63 @@ def test_ais_repeats_with_its_seed_and_moves_with_another():
     assert not np.array_equal(first.log_weights, other.log_weights)
 
 
+def test_binarise_turns_each_pixel_on_with_its_grey_value_and_repeats_with_its_seed():
+    grey = np.array([0.0, 0.1, 0.5, 0.9, 1.0], np.float32)
+    x = np.tile(grey, (40000, 1))
+    v = partition.binarise(x, seed=5)
+    assert v.dtype == np.float32 and set(np.unique(v)) <= {0.0, 1.0}
+    # Each column's share of ones is a mean of 40,000 Bernoulli(p) draws: standard error sqrt(p (1 - p) / N).
+    share, se = v.mean(axis=0), np.sqrt(grey * (1 - grey) / len(x))
+    assert np.all(np.abs(share - grey) <= 4 * se + 1e-12)
+    assert share[0] == 0.0 and share[-1] == 1.0
+    np.testing.assert_array_equal(v, partition.binarise(x, seed=5))
+    assert not np.array_equal(v, partition.binarise(x, seed=6))
+
+
+def test_independent_log_likelihood_is_the_bernoulli_log_pmf_and_the_rbm_without_weights():
+    rng = np.random.default_rng(3)
+    bias = rng.normal(0.0, 2.0, 6)
+    v = (rng.uniform(size=(9, 6)) < 0.4).astype("float32")
+    expected = stats.bernoulli.logpmf(v, special.expit(bias)).sum(axis=1)
+    np.testing.assert_allclose(partition.independent_log_likelihood(bias, v), expected, rtol=0, atol=1e-12)
+    # An RBM whose weights and hidden biases are 0 is the same independent model (its hidden units add
+    # H log 2 to both the numerator and log Z).
+    rbm = _rbm(6, 3, seed=0)
+    rbm.set_weights([np.zeros((6, 3)), bias, np.zeros(3)])
+    np.testing.assert_allclose(partition.log_likelihood(rbm, v, partition.exact_log_partition(rbm, verbose=0)),
+                               expected, rtol=0, atol=1e-6)   # the RBM's weights are float32: bias rounded ~1e-7
+
+
+def test_log_partition_is_exact_up_to_max_units_and_ais_above_them():
+    rbm = _rbm(10, 6, seed=0)
+    exact = _brute_force_log_z(rbm)
+    log_z, std_error, method = partition.log_partition(rbm)
+    assert method == "exact" and std_error == 0.0 and log_z == pytest.approx(exact, abs=1e-9)
+    log_z, std_error, method = partition.log_partition(rbm, max_units=5, chains=500, betas=1000, seed=3)
+    assert method == "ais" and 0.0 < std_error < 0.02   # below 0.02 nats the next check has power (log Z ~ 21)
+    assert abs(log_z - exact) < 4 * std_error
+
+
+def test_the_evaluations_rbm_likelihood_equals_a_brute_force_sum_over_binary_images():
+    rbm = _rbm(6, 4, seed=7, scale=0.7)
+    rng = np.random.default_rng(0)
+    train, test = rng.uniform(size=(30, 2, 3, 1)), rng.uniform(size=(25, 2, 3, 1))
+    found = rbm_likelihood(rbm, train, test, seed=4)
+    # The test images drawn as the function says, then log P(v) by summing exp(-E(v, h)) over every h.
+    v = partition.binarise(test.reshape(25, 6), seed=4).astype(np.float64)
+    W, b, a = (np.asarray(w, np.float64) for w in rbm.get_weights())
+    hidden = np.array(list(itertools.product((0.0, 1.0), repeat=4)))
+    energies = v @ W @ hidden.T + (v @ b)[:, None] + (hidden @ a)[None]          # [25, 16] = -E(v, h)
+    log_p = special.logsumexp(energies, axis=1) - _brute_force_log_z(rbm)
+    assert found["test_log_likelihood"] == pytest.approx(log_p.mean(), abs=1e-9)
+    p = (train.reshape(30, 6).sum(axis=0) + 1.0) / 32.0                           # one pseudo-count each way
+    independent = stats.bernoulli.logpmf(v, p).sum(axis=1).mean()
+    assert found["independent_pixels_test_log_likelihood"] == pytest.approx(independent, abs=1e-6)
+    assert (found["log_partition_method"], found["log_partition_std_error"], found["binarisation_seed"]) == (
+        "exact", 0.0, 4)
+    assert rbm_likelihood(rbm, train, test, seed=4, max_units=3)["log_partition_method"] == "ais"
+
+
 def test_bad_inputs_are_refused_by_name():
     rbm = _rbm(5, 3, seed=0)
     with pytest.raises(InputError, match="binary"):
@@ -114,3 +173,9 @@ def test_bad_inputs_are_refused_by_name():
         partition.exact_log_partition(keras.layers.Dense(3))
     with pytest.raises(InputError, match="no weights"):
         partition.exact_log_partition(BernoulliRBM(3))
+    with pytest.raises(InputError, match=r"x must lie in \[0.0, 1.0\]"):
+        partition.binarise(np.full((2, 3), 255.0))
+    with pytest.raises(InputError, match="visible_bias must be a vector"):
+        partition.independent_log_likelihood(np.zeros((2, 3)), np.zeros((1, 3)))
+    with pytest.raises(InputError, match="binary"):
+        partition.independent_log_likelihood(np.zeros(3), np.full((1, 3), 0.5))
