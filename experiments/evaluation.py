@@ -24,6 +24,11 @@ from poecaps.graphs import batched
 from poecaps.samplers import CapsuleSampler, RBMSampler
 
 
+def _flat(images):
+    """`[N, ...]` images as `[N, V]` rows."""
+    return images.reshape(len(images), -1)
+
+
 @contextlib.contextmanager
 def _phase(what):
     """Report a step of the evaluation and its time on stderr (stdout carries the JSON)."""
@@ -110,9 +115,8 @@ def rbm_likelihood(rbm, train, test, seed, max_units=22):
     independent-pixel model fitted to the training images
     (`partition.base_rate_bias`), whose `log Z` is closed-form.
     """
-    flat = lambda x: x.reshape(len(x), -1)
-    v = partition.binarise(flat(test), seed)
-    base = partition.base_rate_bias(flat(train))
+    v = partition.binarise(_flat(test), seed)
+    base = partition.base_rate_bias(_flat(train))
     log_z, std_error, method = partition.log_partition(rbm, max_units, base_visible_bias=base, seed=seed)
     return {"test_log_likelihood": float(partition.log_likelihood(rbm, v, log_z).mean()),
             "independent_pixels_test_log_likelihood": float(partition.independent_log_likelihood(base, v).mean()),
@@ -122,8 +126,7 @@ def rbm_likelihood(rbm, train, test, seed, max_units=22):
 
 def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classes, run, config):
     """The baseline's figures: reconstruction, probe on P(on), samples' specialisation, log-likelihood."""
-    flat = lambda x: x.reshape(len(x), -1)
-    hidden_train, hidden_test = batched(rbm.p_on, flat(train)), batched(rbm.p_on, flat(test))
+    hidden_train, hidden_test = batched(rbm.p_on, _flat(train)), batched(rbm.p_on, _flat(test))
     rbm_images = RBMSampler(rbm, train.shape[1:], seed=config.seed).sample(config.rows)["images"]
     figures.image_grid(rbm_images[:4], run.file("rbm_samples.png"),
                        title="Bernoulli RBM: one column per hidden unit")
@@ -134,7 +137,7 @@ def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classe
     return {
         "hidden_units": rbm.num_hidden,
         "reconstruction_mse": metrics.mse(
-            test, batched(rbm.reconstruct, flat(test)).reshape(test.shape)),
+            test, batched(rbm.reconstruct, _flat(test)).reshape(test.shape)),
         "probe_accuracy_hidden": metrics.linear_probe(
             hidden_train, train_labels, hidden_test, test_labels),
         "samples_full": _specialisation(classifier, rbm_images, classes),
@@ -159,9 +162,8 @@ def _kmeans_reference(train, test, test_labels, classifier, classes, k, seed):
     classes it names (the best a sampler that always drew the cluster mean
     could reach).
     """
-    flat = lambda x: x.reshape(len(x), -1)
-    centroids, _ = metrics.kmeans(flat(train), k, seed=seed)
-    return {"clusters": metrics.cluster_purity(metrics.nearest_centroid(flat(test), centroids),
+    centroids, _ = metrics.kmeans(_flat(train), k, seed=seed)
+    return {"clusters": metrics.cluster_purity(metrics.nearest_centroid(_flat(test), centroids),
                                                test_labels, classes, k),
             "centroids": _named_prototypes(classifier, centroids.reshape(k, *train.shape[1:]).astype("float32"))}
 
