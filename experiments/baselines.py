@@ -143,7 +143,10 @@ def train_baseline(config, run_dir, record=None, resume=False):
     existing = run_record(run, "baseline")
     if resume:
         _resume_state(run, config, existing)
-    else:
+    # The data before the run is touched: images that cannot be read leave the run as it was.
+    train, train_labels, source = load_images(config, "train")
+    test, test_labels, _ = load_images(config, "test")
+    if not resume:
         run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
     strategy = distribute.get_strategy(config.strategy)
     settings = dataclasses.asdict(config)
@@ -151,8 +154,6 @@ def train_baseline(config, run_dir, record=None, resume=False):
     run.write_json("config.json", {**record,
                                    "settings": settings})
     run.record_environment("train")
-    train, train_labels, source = load_images(config, "train")
-    test, test_labels, _ = load_images(config, "test")
     num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     steps = int(np.ceil(len(train) / config.batch_size))
     print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)

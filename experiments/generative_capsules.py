@@ -135,6 +135,9 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     run, config, model = load_capsnet(run_dir)
     if resume:
         check_same_model(run, (run.read_json(SETTINGS) or {}).get("settings") or {}, layer_config, SHAPE)
+    # The CapsNet run's images before the layer's folder is touched: if they cannot be read, it stays as it was.
+    train, train_labels, _ = load_images(config, "train")
+    test, test_labels, _ = load_images(config, "test")
     os.makedirs(os.path.join(run_dir, "generative"), exist_ok=True)
     run.write_json(SETTINGS, {"kind": KIND, "settings": dataclasses.asdict(layer_config)})   # a resumed call's
     fresh = not resume or not run.per_epoch(CURVE)
@@ -144,8 +147,6 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
         run.remove(CURVE)
     run.record_environment("generative layer")
     keras.utils.set_random_seed(seed)
-    train, train_labels, _ = load_images(config, "train")
-    test, test_labels, _ = load_images(config, "test")
     start = time.perf_counter()
     x_train, x_test = primary_capsules(model, train), primary_capsules(model, test)
     # An even spread of the test split (mnist-5k's is ordered by class) for the held-out bound.

@@ -274,6 +274,9 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     keras.utils.set_random_seed(config.seed)
     run = RunDir(run_dir)
     state = _resume_state(run, config, resume)
+    # The data before the run is touched: images that cannot be read leave the run as it was.
+    train, _, source = load_images(config, "train")
+    test, _, _ = load_images(config, "test")
     if not resume:
         run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
         for name in os.listdir(run.checkpoints):
@@ -284,8 +287,6 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
                                    "settings": settings})
     run.record_environment("train")
     strategy = distribute.get_strategy(config.strategy)
-    train, _, source = load_images(config, "train")
-    test, _, _ = load_images(config, "test")
     print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
     timings = {}
     for stage in stages:

@@ -166,12 +166,13 @@ def train_run(run_dir, epochs=100, batch_size=64, learning_rate=1e-3, canvas=40,
         changed = [k for k in keys if found["settings"].get(k, LATER_TERMS.get(k)) != settings[k]]
         if changed:
             raise InputError(f"{run.path} was trained with other {', '.join(changed)}; resume with the same values.")
+    # The data before the run is touched: digits that cannot be read leave the run as it was.
+    x_train, _ = load_digits(data_dir, "train", canvas)
+    x_test, _ = load_digits(data_dir, "test", canvas)
     run.write_json("config.json", {"kind": KIND, "settings": settings})
     if not resume:
         run.start_afresh(("metrics.jsonl", "environment.jsonl"))      # a new run: its own records only
     run.record_environment("train")
-    x_train, _ = load_digits(data_dir, "train", canvas)
-    x_test, _ = load_digits(data_dir, "test", canvas)
     start = time.perf_counter()
     capsules = build_capsules(canvas, seed, specialisation, within_sparsity, between_sparsity)
     shape = {"batch_size": batch_size, "canvas": canvas, "seed": seed}

@@ -171,3 +171,62 @@ def test_a_new_run_clears_the_earlier_runs_logs_and_says_so(tmp_path, capsys):
     os.makedirs(os.path.join(other.checkpoints, "capsnet"))
     other.start_afresh(("metrics.jsonl",))                              # empty folders hold no run
     assert capsys.readouterr().out == ""
+
+
+def _snapshot(path):
+    """`{relative path: bytes}` of every file under `path`."""
+    found = {}
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as handle:
+                found[os.path.relpath(os.path.join(folder, name), path)] = handle.read()
+    return found
+
+
+def _earlier_run(path, record):
+    """A run directory as a finished run leaves it: settings, logs, a checkpoint, a model."""
+    _write(path, "config.json", record)
+    _write(path, "metrics.jsonl", '{"epoch": 1}\n')
+    _write(path, "environment.jsonl", '{"action": "train"}\n')
+    _write(path, os.path.join("checkpoints", "autoencoder", "ckpt-1.weights.h5"), b"\0weights")
+    _write(path, os.path.join("models", "model.keras"), b"PK\x03\x04 a model")
+
+
+TRAINING = {
+    "train_layerwise.py": (commands.train_layerwise, LAYERWISE, ["--dataset", "mnist", "--no-evaluate", *TINY_SET]),
+    "baseline.py": (commands.baseline, BASELINE, ["--dataset", "mnist", "--epochs", "1"]),
+    "probabilistic_capsules.py": (commands.probabilistic_capsules,
+                                  json.dumps({"kind": "probabilistic-capsules", "settings": {"seed": 0}}), []),
+}
+
+
+@pytest.mark.parametrize("script", list(TRAINING))
+def test_a_data_folder_that_cannot_be_read_leaves_the_earlier_run_as_it_was(tmp_path, capsys, script):
+    # A new training call replaces the run it finds; a mistyped --data-dir must fail before it replaces anything.
+    main, record, extra = TRAINING[script]
+    run_dir, empty = str(tmp_path / "run"), str(tmp_path / "no_digits")
+    os.makedirs(empty)
+    _earlier_run(run_dir, record)
+    before = _snapshot(run_dir)
+    code, out, err = _answer(capsys, main, ["--run-dir", run_dir, "--data-dir", empty, *extra])
+    assert code == 2 and len(err) == 1, (code, err)
+    assert err[0].startswith("error: Could not load 'mnist' split 'train'") and empty in err[0], err
+    assert "replaced" not in out
+    assert _snapshot(run_dir) == before
+
+
+def test_a_capsnet_run_whose_images_are_gone_leaves_its_generative_layer_as_it_was(tmp_path, monkeypatch):
+    from poecaps.errors import InputError
+    from poecaps.experiments import generative_capsules
+    from poecaps.experiments.runs import RunDir
+
+    run_dir, gone = str(tmp_path / "capsnet"), str(tmp_path / "moved")
+    config = BaselineConfig(dataset="mnist", data_dir=gone)
+    monkeypatch.setattr(generative_capsules, "load_capsnet", lambda path: (RunDir(path), config, None))
+    _write(run_dir, generative_capsules.SETTINGS, json.dumps({"kind": generative_capsules.KIND, "settings": {}}))
+    _write(run_dir, generative_capsules.CURVE, '{"epoch": 1}\n')
+    _write(run_dir, os.path.join("checkpoints", "generative", "ckpt-1.weights.h5"), b"\0weights")
+    before = _snapshot(run_dir)
+    with pytest.raises(InputError, match="Could not load 'mnist' split 'train'"):
+        generative_capsules.train_generative(run_dir)
+    assert _snapshot(run_dir) == before
