@@ -139,13 +139,14 @@ def train_baseline(config, run_dir, record=None, resume=False):
     if not isinstance(config, BaselineConfig):
         raise InputError(f"config must be a BaselineConfig. Received: {type(config).__name__}")
     keras.utils.set_random_seed(config.seed)
-    run = RunDir(run_dir)
+    run = RunDir(run_dir, create="later")
     existing = run_record(run, "baseline")
     if resume:
         _resume_state(run, config, existing)
     # The data before the run is touched: images that cannot be read leave the run as it was.
     train, train_labels, source = load_images(config, "train")
     test, test_labels, _ = load_images(config, "test")
+    run.make()
     if not resume:
         run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
     strategy = distribute.get_strategy(config.strategy)

@@ -272,11 +272,12 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     if unknown:
         raise InputError(f"stages must be among {STAGES}. Received: {unknown}")
     keras.utils.set_random_seed(config.seed)
-    run = RunDir(run_dir)
+    run = RunDir(run_dir, create="later")
     state = _resume_state(run, config, resume)
     # The data before the run is touched: images that cannot be read leave the run as it was.
     train, _, source = load_images(config, "train")
     test, _, _ = load_images(config, "test")
+    run.make()
     if not resume:
         run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
         for name in os.listdir(run.checkpoints):

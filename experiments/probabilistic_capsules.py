@@ -155,7 +155,7 @@ def train_run(run_dir, epochs=100, batch_size=64, learning_rate=1e-3, canvas=40,
                                       between_sparsity=between_sparsity)
     if config.data_dir is None:
         raise InputError("data_dir is required: a folder of MNIST IDX files (e.g. ../shared/data/mnist-5k).")
-    run = RunDir(run_dir)
+    run = RunDir(run_dir, create="later")
     settings = {**dataclasses.asdict(config), "data_dir": os.path.abspath(data_dir)}
     found = run.read_json("config.json")
     if found is not None and found.get("kind") != KIND:
@@ -169,6 +169,7 @@ def train_run(run_dir, epochs=100, batch_size=64, learning_rate=1e-3, canvas=40,
     # The data before the run is touched: digits that cannot be read leave the run as it was.
     x_train, _ = load_digits(data_dir, "train", canvas)
     x_test, _ = load_digits(data_dir, "test", canvas)
+    run.make()
     run.write_json("config.json", {"kind": KIND, "settings": settings})
     if not resume:
         run.start_afresh(("metrics.jsonl", "environment.jsonl"))      # a new run: its own records only

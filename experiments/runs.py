@@ -44,22 +44,31 @@ class RunDir:
 
     Args:
         path: the directory.
-        create: make it (and its subfolders) if missing; otherwise a missing
-            directory is an `InputError`.
+        create: True makes it (and its subfolders) if missing; "later" leaves
+            that to `make()`, so that a training call can read its existing
+            files and load its data first, and a call that stops on bad input
+            leaves no empty folder behind; False makes a missing directory an
+            `InputError`.
     """
 
     def __init__(self, path, create=True):
+        if create not in (True, False, "later"):
+            raise InputError(f'create must be True, False or "later". Received: {create!r}')
         self.path = path
         self.models = os.path.join(path, "models")
         self.checkpoints = os.path.join(path, "checkpoints")
         self.logs = os.path.join(path, "logs")
         if os.path.exists(path) and not os.path.isdir(path):
             raise InputError(f"The run directory {path} is a file; pass a folder (--run-dir).")
-        if not create and not os.path.isdir(path):
+        if create is False and not os.path.isdir(path):
             raise InputError(f"No run directory at {path}; train one first or pass another run directory (--run-dir).")
-        if create:
-            for directory in (path, self.models, self.checkpoints, self.logs):
-                os.makedirs(directory, exist_ok=True)
+        if create is True:
+            self.make()
+
+    def make(self):
+        """Make the directory and its `models`, `checkpoints` and `logs` folders if missing."""
+        for directory in (self.path, self.models, self.checkpoints, self.logs):
+            os.makedirs(directory, exist_ok=True)
 
     def file(self, name):
         return os.path.join(self.path, name)

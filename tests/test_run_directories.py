@@ -230,3 +230,29 @@ def test_a_capsnet_run_whose_images_are_gone_leaves_its_generative_layer_as_it_w
     with pytest.raises(InputError, match="Could not load 'mnist' split 'train'"):
         generative_capsules.train_generative(run_dir)
     assert _snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("script", list(TRAINING))
+def test_a_data_folder_that_cannot_be_read_leaves_no_new_run_folder(tmp_path, capsys, script):
+    # A first training call that stops on its images leaves nothing behind, not an empty run skeleton.
+    main, _, extra = TRAINING[script]
+    run_dir, empty = str(tmp_path / "new" / "run"), str(tmp_path / "no_digits")
+    os.makedirs(empty)
+    code, _, err = _answer(capsys, main, ["--run-dir", run_dir, "--data-dir", empty, *extra])
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: Could not load 'mnist' split 'train'"), err
+    assert not os.path.exists(tmp_path / "new")
+
+
+def test_a_run_directory_made_later_is_made_by_make_only(tmp_path):
+    from poecaps.errors import InputError
+    from poecaps.experiments.runs import RunDir
+
+    path = str(tmp_path / "run")
+    run = RunDir(path, create="later")
+    assert run.read_json("config.json") is None and not os.path.exists(path)    # readable before it exists
+    run.make()
+    assert sorted(os.listdir(path)) == ["checkpoints", "logs", "models"]
+    run.write_json("config.json", {"kind": "x"})
+    assert RunDir(path, create=False).read_json("config.json") == {"kind": "x"}
+    with pytest.raises(InputError, match='create must be True, False or "later"'):
+        RunDir(path, create="yes")
