@@ -73,8 +73,7 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
     settings = settings or {}
     configs = {name: with_values(presets.get("baseline", name), settings) for name in names}
     if os.path.exists(root) and not os.path.isdir(root):
-        raise InputError(f"{root} is a file; pass a folder as the runs' root (--run-root).")
-    os.makedirs(root, exist_ok=True)
+        raise InputError(f"{root} is a file; pass a folder as the runs' root (--run-dir).")
     results = {}
     for name, config in configs.items():
         run_dir = os.path.join(root, name)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -60,6 +61,9 @@ def _states(kind):
     }
 
 
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z-]*")      # a command-line flag named in a text
+
+
 def _answer(capsys, main, argv):
     """(exit status, stdout, stderr lines) of a script's main; any other exception fails the test."""
     code = 0
@@ -109,6 +113,7 @@ def test_every_run_directory_state_gets_one_line(tmp_path, capsys, monkeypatch, 
     main, kind, extra = SCRIPTS[script]
     if script == "baseline.py --resume":   # a run that trains is evaluated elsewhere
         monkeypatch.setattr(baseline_evaluation, "evaluate_baseline", lambda run_dir, config=None: {"stub": 1})
+    flags = set(FLAG.findall(_answer(capsys, main, ["--help"])[1]))
     tried = 0
     for state, make in _states(kind).items():
         run_dir = str(tmp_path / state.replace(" ", "_") / "run")
@@ -124,8 +129,17 @@ def test_every_run_directory_state_gets_one_line(tmp_path, capsys, monkeypatch, 
         else:
             assert code == 2, (script, state, code, out[-300:], err)
             assert len(err) == 1 and err[0].startswith("error: "), (script, state, err)
+            assert set(FLAG.findall(err[0])) <= flags, (script, state, err)     # it names only flags it has
             assert "Traceback" not in out
     record_tries(script, "run-directory states", tried)
+
+
+def test_a_routing_table_root_that_is_a_file_gets_one_line_naming_the_flag(tmp_path, capsys):
+    root = tmp_path / "runs"
+    root.write_text("not a folder")
+    code, _, err = _answer(capsys, commands.compare_routing, ["--run-dir", str(root), "--row", "faria2019-uniform"])
+    assert code == 2 and err == [f"error: {root} is a file; pass a folder as the runs' root (--run-dir)."], err
+    assert "--run-dir" in _answer(capsys, commands.compare_routing, ["--help"])[1]
 
 
 def test_a_run_keeps_the_last_entry_of_each_epoch_of_a_json_lines_file(tmp_path):
@@ -232,10 +246,14 @@ def test_a_capsnet_run_whose_images_are_gone_leaves_its_generative_layer_as_it_w
     assert _snapshot(run_dir) == before
 
 
-@pytest.mark.parametrize("script", list(TRAINING))
+FIRST_RUNS = {**{script: (main, extra) for script, (main, _, extra) in TRAINING.items()},
+              "compare_routing.py": (commands.compare_routing, ["--dataset", "mnist", "--row", "faria2019-uniform"])}
+
+
+@pytest.mark.parametrize("script", list(FIRST_RUNS))
 def test_a_data_folder_that_cannot_be_read_leaves_no_new_run_folder(tmp_path, capsys, script):
     # A first training call that stops on its images leaves nothing behind, not an empty run skeleton.
-    main, _, extra = TRAINING[script]
+    main, extra = FIRST_RUNS[script]
     run_dir, empty = str(tmp_path / "new" / "run"), str(tmp_path / "no_digits")
     os.makedirs(empty)
     code, _, err = _answer(capsys, main, ["--run-dir", run_dir, "--data-dir", empty, *extra])
