@@ -52,7 +52,7 @@ class RunDir:
     """
 
     def __init__(self, path, create=True):
-        if create not in (True, False, "later"):
+        if not isinstance(create, bool) and create != "later":
             raise InputError(f'create must be True, False or "later". Received: {create!r}')
         self.path = path
         self.models = os.path.join(path, "models")

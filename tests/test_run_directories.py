@@ -272,5 +272,6 @@ def test_a_run_directory_made_later_is_made_by_make_only(tmp_path):
     assert sorted(os.listdir(path)) == ["checkpoints", "logs", "models"]
     run.write_json("config.json", {"kind": "x"})
     assert RunDir(path, create=False).read_json("config.json") == {"kind": "x"}
-    with pytest.raises(InputError, match='create must be True, False or "later"'):
-        RunDir(path, create="yes")
+    for create in ("yes", 1, None):
+        with pytest.raises(InputError, match='create must be True, False or "later"'):
+            RunDir(path, create=create)
