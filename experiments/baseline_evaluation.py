@@ -121,8 +121,8 @@ def evaluate_baseline(run_dir, config=None):
     if not os.path.exists(path):
         raise InputError(f"No trained network at {path}; train it first with scripts/baseline.py.")
     model = load_component(path)
-    run.record_environment("evaluate")
     test, labels, _ = load_images(train_config, "test")
+    run.record_environment("evaluate")                  # once the images have loaded: a failed call leaves no line
     test, labels = test[:config.test_limit or None], labels[:config.test_limit or None]
     predict = compiled_predictor(model, jit_compile=train_config.xla)
     scores, coefficients = predict_in_batches(predict, test, config.batch_size)

@@ -101,16 +101,17 @@ def infer_run(run_dir, examples=1000, steps=500, learning_rate=0.01, l1=None, ba
     l1 = SparseInferenceConfig(examples=examples, steps=steps, learning_rate=learning_rate, l1=l1,
                                batch_size=batch_size, shown=shown).l1
     run, config, model = load_capsnet(run_dir)
-    run.record_environment("sparse inference")
+    start = time.perf_counter()
+    calibration_images = even_spread(*load_images(config, "train")[:2], examples) if l1 is None else None
+    load_seconds = time.perf_counter() - start
+    images, labels = even_spread(*load_images(config, "test")[:2], examples)
+    run.record_environment("sparse inference")          # once the images have loaded: a failed call leaves no line
     settings = {"steps": steps, "learning_rate": learning_rate}
     calibration, calibration_seconds = None, 0.0
     if l1 is None:
         start = time.perf_counter()
-        train_images, train_labels, _ = load_images(config, "train")
-        l1, calibration = calibrate_l1(model, *even_spread(train_images, train_labels, examples),
-                                       batch_size=batch_size, **settings)
-        calibration_seconds = time.perf_counter() - start
-    images, labels = even_spread(*load_images(config, "test")[:2], examples)
+        l1, calibration = calibrate_l1(model, *calibration_images, batch_size=batch_size, **settings)
+        calibration_seconds = load_seconds + time.perf_counter() - start      # the training images' loading too
     out = os.path.join(run_dir, "inference")
     os.makedirs(out, exist_ok=True)
     runs, seconds = {}, {}

@@ -250,9 +250,9 @@ def evaluate_run(run_dir, config=None):
     run = RunDir(run_dir, create=False)
     train_config = read_settings(run, LayerwiseConfig)
     pipeline = load_pipeline(run, train_config)
-    run.record_environment("evaluate")
     train, train_labels, _ = load_images(train_config, "train")
     test, test_labels, _ = load_images(train_config, "test")
+    run.record_environment("evaluate")                  # once the images have loaded: a failed call leaves no line
     classes = int(max(train_labels.max(), test_labels.max())) + 1
     with _phase("reference classifier"):
         classifier, classifier_accuracy = _classifier(run, train, train_labels, test, test_labels, config)

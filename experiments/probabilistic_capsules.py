@@ -366,11 +366,11 @@ def evaluate_run(run_dir, tto_images=200, tto_steps=200, tto_learning_rate=0.01,
     ProbabilisticEvaluationConfig(tto_images=tto_images, tto_steps=tto_steps, tto_learning_rate=tto_learning_rate,
                                   seed=seed)
     run, settings, capsules, vae = load_trained(run_dir)
-    run.record_environment("evaluate")
     keras.utils.set_random_seed(seed)
     start = time.perf_counter()
     x_train, y_train = load_digits(settings["data_dir"], "train", settings["canvas"])
     x_test, y_test = load_digits(settings["data_dir"], "test", settings["canvas"])
+    run.record_environment("evaluate")                  # once the digits have loaded: a failed call leaves no line
     table, tests = probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed)
     pick = spread_indices(len(x_test), tto_images)
     print(f"[tto] {tto_steps} steps of test-time optimisation on {len(pick)} test digits, upright and turned by "

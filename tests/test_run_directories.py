@@ -275,3 +275,50 @@ def test_a_run_directory_made_later_is_made_by_make_only(tmp_path):
     for create in ("yes", 1, None):
         with pytest.raises(InputError, match='create must be True, False or "later"'):
             RunDir(path, create=create)
+
+
+def _evaluations(gone):
+    """`{name: (module, the name it loads its run by, what that returns for a path, call)}` of the commands
+    that read a trained run and its images; each finds the images moved to `gone`."""
+    from poecaps.experiments import capsnet_inference, evaluation, probabilistic_capsules
+    from poecaps.experiments.runs import RunDir
+
+    capsnet = BaselineConfig(dataset="mnist", data_dir=gone)
+    return {
+        "evaluate.py": (evaluation, "load_pipeline", lambda *a: None, evaluation.evaluate_run),
+        "baseline.py --evaluate-only": (baseline_evaluation, "load_component", lambda *a: None,
+                                        baseline_evaluation.evaluate_baseline),
+        "probabilistic_capsules.py evaluate": (
+            probabilistic_capsules, "load_trained",
+            lambda path: (RunDir(path, create=False), {"data_dir": gone, "canvas": 40}, None, None),
+            probabilistic_capsules.evaluate_run),
+        "sparse_inference.py, l1 given": (capsnet_inference, "load_capsnet",
+                                          lambda path: (RunDir(path, create=False), capsnet, None),
+                                          lambda path: capsnet_inference.infer_run(path, l1=0.1)),
+        "sparse_inference.py, l1 calibrated": (capsnet_inference, "load_capsnet",
+                                               lambda path: (RunDir(path, create=False), capsnet, None),
+                                               capsnet_inference.infer_run),
+    }
+
+
+@pytest.mark.parametrize("command", ["evaluate.py", "baseline.py --evaluate-only", "probabilistic_capsules.py evaluate",
+                                     "sparse_inference.py, l1 given", "sparse_inference.py, l1 calibrated"])
+def test_a_trained_run_whose_images_are_gone_is_left_as_it_was_by_the_commands_that_read_it(
+        tmp_path, monkeypatch, command):
+    # No line in environment.jsonl, no folder, no file for a command that stopped before it read an image.
+    from poecaps.errors import InputError
+
+    run_dir, gone = str(tmp_path / "run"), str(tmp_path / "moved")
+    module, name, loaded, call = _evaluations(gone)[command]
+    monkeypatch.setattr(module, name, loaded)
+    settings = (LayerwiseConfig(**TINY, dataset="mnist", data_dir=gone) if command == "evaluate.py"
+                else BaselineConfig(dataset="mnist", data_dir=gone))
+    kind = "layerwise" if command == "evaluate.py" else "baseline"
+    _write(run_dir, "config.json", json.dumps(_record(kind, settings)))
+    _write(run_dir, os.path.join("models", "model.keras"), b"PK\x03\x04 a model")
+    _write(run_dir, "environment.jsonl", '{"action": "train"}\n')
+    before = _snapshot(run_dir)
+    with pytest.raises(InputError, match="Could not load 'mnist' split"):
+        call(run_dir)
+    assert _snapshot(run_dir) == before and sorted(os.listdir(run_dir)) == ["config.json", "environment.jsonl",
+                                                                            "models"]
