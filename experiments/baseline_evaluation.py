@@ -5,13 +5,13 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from poecaps import transforms
 from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import BaselineConfig, BaselineEvaluationConfig
 from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.graphs import graph
 from poecaps.metrics import hoyer_sparsity
 from poecaps.models.saving import load_component
 
@@ -29,7 +29,7 @@ def compiled_predictor(model, jit_compile=False):
         out = model(images, training=False)
         return out["scores"], out["coefficients"]
 
-    return tf.function(predict, jit_compile=jit_compile)
+    return graph(predict, jit_compile=jit_compile)
 
 
 def predict_in_batches(predict, images, batch_size):

@@ -29,6 +29,7 @@ from poecaps.experiments import figures
 from poecaps.experiments.configs import GenerativeConfig
 from poecaps.experiments.runs import check_same_model, load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
+from poecaps.graphs import graph
 from poecaps.models import GenerativeCapsules
 from poecaps.models.saving import save_component
 from poecaps.trainers.generative import GenerativeCapsuleTrainer
@@ -56,7 +57,7 @@ def curves_figure(record, path):
 
 def primary_capsules(model, images, batch_size=250):
     """A CapsNet's squashed primary capsules `[N, I, 8]` of `images`."""
-    step = tf.function(lambda x: model.primary(model.primary_conv(model.conv1(x))))
+    step = graph(lambda x: model.primary(model.primary_conv(model.conv1(x))))
     return np.concatenate([step(images[s:s + batch_size]).numpy() for s in range(0, len(images), batch_size)])
 
 
@@ -72,7 +73,7 @@ class _Inversion:
             return found.poses, found.coefficients, layer.log_joint(x, found.poses, found.coefficients)
 
         self.layer, self.batch_size = layer, batch_size
-        self.step = tf.function(infer, jit_compile=True)
+        self.step = graph(infer, jit_compile=True)
 
     def __call__(self, children):
         """`(bound per child, coefficient entropy over log J, parents [N, J, D])` on `children`."""

@@ -43,6 +43,7 @@ from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import ProbabilisticEvaluationConfig, ProbabilisticTrainConfig
 from poecaps.experiments.runs import RunDir, spread_indices
+from poecaps.graphs import graph
 from poecaps.models import (
     ProbabilisticCapsuleAutoencoder,
     ProbabilisticCapsules,
@@ -90,7 +91,7 @@ class _TestCurve(keras.callbacks.Callback):
     def __init__(self, model, images, run, label):
         super().__init__()
         self.images, self.run, self.label = images, run, label
-        self.step = tf.function(lambda x: {"bound": model.bound(x, seed=tf.constant([0, 0], tf.int64))["bound"],
+        self.step = graph(lambda x: {"bound": model.bound(x, seed=tf.constant([0, 0], tf.int64))["bound"],
                                            "mse": tf.reduce_mean(tf.square(model(x)["reconstructions"] - x),
                                                                  axis=(1, 2, 3))})
 
@@ -286,7 +287,7 @@ def _features(capsules, vae):
         return {"t0": tf.sigmoid(parameters["top_logits"]), "t0_logits": parameters["top_logits"],
                 "A0": tf.reshape(parameters["top_pose"], [len(x), -1]),
                 "vae": tf.concat([encoded["mu"], encoded["sigma"]], -1)}
-    return tf.function(step, jit_compile=True)
+    return graph(step, jit_compile=True)
 
 
 def probe_table(capsules, vae, x_train, y_train, x_test, y_test, seed):
@@ -345,7 +346,7 @@ def _figures(run, capsules, x_test, rotated, rotated_parameters, seed):
     templates = capsules.generative.templates().numpy()
     drawn = templates[..., :1] * templates[..., 1:]                                    # intensity times alpha
     figures.image_grid(drawn[None], run.file("templates.png"), title="learned templates (intensity x alpha)")
-    recon = _batched(tf.function(lambda x: {"r": capsules(x)["reconstructions"]}), x_test[show])["r"]
+    recon = _batched(graph(lambda x: {"r": capsules(x)["reconstructions"]}), x_test[show])["r"]
     figures.image_grid(np.stack([x_test[show], recon]), run.file("reconstructions.png"),
                        title="test digits and their reconstructions (encoder means)", row_labels=["data", "recon"])
     before, after = (_render(capsules, p).numpy()[show] for p in rotated_parameters)

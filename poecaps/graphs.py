@@ -1,5 +1,6 @@
 """Batch functions traced once: a layer or pipeline method over a large array, batch by batch."""
 
+import functools
 import weakref
 
 import numpy as np
@@ -26,6 +27,20 @@ def batched(fn, array, batch_size=256, jit_compile=False):
             batch = np.concatenate([batch, np.zeros((batch_size - rows, *batch.shape[1:]), batch.dtype)])
         outputs.append(ops.convert_to_numpy(graph(batch))[:rows])
     return np.concatenate(outputs)
+
+
+def graph(fn, **options):
+    """`tf.function(fn, **options)`, its traces counted apart from those of every other graph.
+
+    TensorFlow warns that a function "triggered tf.function retracing" when
+    one Python function is traced five times within its recent calls, and
+    it counts by the function's code: every graph made from one `lambda` or
+    nested `def` (one per owner, per model, per setting) would count as one
+    function, so a few of them tracing once or twice each would set off the
+    warning though none retraces. Given its own `functools.partial`, each
+    graph is counted alone; one that does retrace still warns.
+    """
+    return tf.function(functools.partial(fn), **options)
 
 
 # owner -> {function: (the owner's attributes when traced, graph)}. The owner
@@ -74,7 +89,7 @@ def kept(owner, key, make):
 
 
 def traced(fn, jit_compile=False):
-    """`fn` as a `tf.function` of one argument, kept across calls when `fn` is a bound method.
+    """`fn` as a `tf.function` of one argument (`graph`), kept across calls when `fn` is a bound method.
 
     A graph reads variables as they are when it runs, but takes every other
     object (a layer, a NumPy mean) as it was when traced. So a kept graph is
@@ -85,6 +100,6 @@ def traced(fn, jit_compile=False):
     """
     owner, func = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
     if owner is None or func is None:
-        return tf.function(fn, reduce_retracing=True, jit_compile=jit_compile)
+        return graph(fn, reduce_retracing=True, jit_compile=jit_compile)
     return kept(owner, (func, jit_compile),
-                lambda ref: tf.function(lambda x: func(ref(), x), reduce_retracing=True, jit_compile=jit_compile))
+                lambda ref: graph(lambda x: func(ref(), x), reduce_retracing=True, jit_compile=jit_compile))

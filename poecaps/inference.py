@@ -13,6 +13,7 @@ import functools
 import tensorflow as tf
 
 from poecaps.capsules import squash
+from poecaps.graphs import graph
 
 PENALTIES = ("none", "l1", "l2")
 READINGS = ("output_only", "full")
@@ -215,4 +216,4 @@ def _compiled_inference(model, steps, learning_rate, l1, label_weight, clamped, 
         (u, v), trace = found[:2]
         return (u, v, _norm(v), _norm(v0), trace) + tuple(found[2:])
 
-    return tf.function(run, jit_compile=True)
+    return graph(run, jit_compile=True)

@@ -1,6 +1,9 @@
-"""`poecaps.graphs.batched` keeps a bound method's traced graph, and never runs a stale one."""
+"""`poecaps.graphs`: `batched` keeps a bound method's traced graph and never runs a stale one;
+TensorFlow's retracing warning counts each graph's traces apart."""
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import numpy as np
@@ -75,3 +78,46 @@ def test_a_pipeline_with_a_new_code_mean_or_autoencoder_decodes_with_it():
     np.testing.assert_allclose(outputs[-1], pipeline.decode_lower(lower), atol=1e-6)
     # each change shows in the output, so a stale graph would fail the checks above
     assert np.abs(outputs[1] - outputs[0]).max() > 1e-3 and np.abs(outputs[2] - outputs[1]).max() > 1e-3
+
+
+
+RETRACING_PROGRAM = """
+import logging
+
+import numpy as np
+import tensorflow as tf
+from poecaps.graphs import batched, graph
+
+warnings = []
+handler = logging.Handler()
+handler.emit = lambda record: warnings.append("triggered tf.function retracing" in record.getMessage())
+tf.get_logger().addHandler(handler)
+
+class Scale:
+    def __init__(self, factor):
+        self.factor = factor
+    def apply(self, x):
+        return x * self.factor
+
+x = np.ones((10, 3), "float32")
+for k in range(8):      # sixteen graphs from two functions' code, each traced twice (full batches, the last)
+    batched(Scale(float(k)).apply, x, batch_size=4)
+    batched(lambda y, k=k: y + k, x, batch_size=4)
+print("distinct graphs", sum(warnings))
+one = graph(lambda y: y + 1.0)
+for rank in range(1, 8):  # one graph traced at seven ranks: it does retrace
+    one(tf.ones([1] * rank))
+print("one graph", sum(warnings))
+"""
+
+
+def test_graphs_made_from_one_function_do_not_set_off_tensorflows_retracing_warning():
+    """TensorFlow's retracing warning counts traces by the Python function's code: graphs made from one
+    function, each traced once or twice, set it off though none retraces. One graph that retraces still does.
+    A new process, since TensorFlow gives each function's count at most five warnings per process."""
+    done = subprocess.run([sys.executable, "-c", RETRACING_PROGRAM], check=False, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = {name: int(count) for name, count in (line.rsplit(" ", 1) for line in done.stdout.splitlines())}
+    assert counts["distinct graphs"] == 0, done.stdout
+    assert counts["one graph"] >= 1, done.stdout  # the warning is live in this process

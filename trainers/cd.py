@@ -3,12 +3,12 @@
 import sys
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.experts import DECODER_RULES, check_sparsity
+from poecaps.graphs import graph
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 from poecaps.validation import check_array, check_integers
@@ -131,7 +131,7 @@ class CDTrainer(keras.Model):
         self.persistent = persistent
         self.l2 = l2
         self.shards = shards
-        self._shard_step = tf.function(self._one_shard, jit_compile=True) if shards > 1 else None
+        self._shard_step = graph(self._one_shard, jit_compile=True) if shards > 1 else None
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.chain = None
         if persistent:

@@ -5,6 +5,7 @@ import tensorflow as tf
 from keras import ops
 
 from poecaps import distribute, transforms
+from poecaps.graphs import graph
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 from poecaps.validation import check_images, check_integer, check_labels
 
@@ -42,7 +43,7 @@ class SupervisedTrainer(keras.Model):
         self.max_shift = max_shift
         self.seed = seed
         self.shards = shards
-        self._shard_gradients = tf.function(self._gradients, jit_compile=True) if shards > 1 else None
+        self._shard_gradients = graph(self._gradients, jit_compile=True) if shards > 1 else None
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.accuracy_tracker = keras.metrics.SparseCategoricalAccuracy(name="accuracy")

@@ -225,7 +225,7 @@ def _ascent(model, images, values, names, steps, learning_rate, seed, optimizer,
     shape.
     """
     key = ("ascent", tuple(names), optimizer, beta1, beta2, eps)
-    run = graphs.kept(model, key, lambda ref: tf.function(
+    run = graphs.kept(model, key, lambda ref: graphs.graph(
         lambda *args: _ascent_loop(ref(), names, optimizer, beta1, beta2, eps, *args), jit_compile=True))
     return list(run(images, values, tf.constant(steps, tf.int32), tf.constant(learning_rate, images.dtype),
                     tf.constant(seed, tf.int64)))
