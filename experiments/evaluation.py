@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import time
 
 import keras
 import numpy as np
@@ -18,6 +17,7 @@ from poecaps import metrics, partition
 from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import DOMAINS, EvaluationConfig, LayerwiseConfig
+from poecaps.experiments.progress import phase
 from poecaps.experiments.runs import RunDir, load_images, read_settings
 from poecaps.experiments.trained import load_pipeline, load_rbm, training_capsules
 from poecaps.graphs import batched
@@ -29,13 +29,9 @@ def _flat(images):
     return images.reshape(len(images), -1)
 
 
-@contextlib.contextmanager
 def _phase(what):
     """Report a step of the evaluation and its time on stderr (stdout carries the JSON)."""
-    print(f"[evaluate] {what} ...", file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    yield
-    print(f"[evaluate] {what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return phase("evaluate", what, sys.stderr)
 
 
 def _classifier(run, train, train_labels, test, test_labels, config):

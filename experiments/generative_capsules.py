@@ -27,6 +27,7 @@ import tensorflow as tf
 from poecaps import metrics
 from poecaps.experiments import figures
 from poecaps.experiments.configs import GenerativeConfig
+from poecaps.experiments.progress import phase
 from poecaps.experiments.runs import check_same_model, load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet
 from poecaps.graphs import graph
@@ -175,11 +176,14 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
                   fault_log=run.file("faults.jsonl"), callbacks=[_HeldOut(invert, x_test[pick], run)])
     train_seconds = time.perf_counter() - start
     record = run.per_epoch(CURVE)
-    _, entropy, test_parents = invert(x_test)
-    train_parents = invert(x_train[few])[2]
+    with phase("generative", f"parents of {len(x_test)} test and {len(few)} training digits, G learned and random"):
+        _, entropy, test_parents = invert(x_test)
+        train_parents = invert(x_train[few])[2]
+        random_train, random_test = invert_initial(x_train[few])[2], invert_initial(x_test)[2]
     probe = lambda a, b: metrics.linear_probe(a.reshape(len(a), -1), train_labels[few], b.reshape(len(b), -1),
                                               test_labels)
-    random_train, random_test = invert_initial(x_train[few])[2], invert_initial(x_test)[2]
+    with phase("generative", "linear probes"):
+        probes = {"learned": probe(train_parents, test_parents), "random_g": probe(random_train, random_test)}
     result = {
         "run": run_dir, "parents": parents, "parent_dim": parent_dim, "children": list(x_train.shape[1:]),
         "epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
@@ -188,14 +192,14 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
         "heldout_bound_per_child": {"initial": record[0]["heldout_bound_per_child"],
                                     "final": record[-1]["heldout_bound_per_child"]},
         "coefficient_entropy_over_log_j": entropy,
-        "probe_accuracy": {"learned": probe(train_parents, test_parents),
-                           "random_g": probe(random_train, random_test)},
+        "probe_accuracy": probes,
         "seconds": time.perf_counter() - start, "train_seconds": train_seconds,
     }
     out = os.path.join(run_dir, "generative")            # made when training started
     save_component(keras.Sequential([keras.Input(x_train.shape[1:]), layer]), os.path.join(run.models,
                                                                                           "generative.keras"))
-    decoder = _decoder(train_parents, train[few], seed)
+    with phase("generative", "a decoder from parents to digits, for samples.png"):
+        decoder = _decoder(train_parents, train[few], seed)
     rng = np.random.default_rng(seed)
     prior = rng.normal(size=(10, parents * parent_dim)).astype("float32")
     show = np.linspace(0, len(test) - 1, 10).round().astype(int)
