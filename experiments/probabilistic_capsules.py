@@ -92,8 +92,8 @@ class _TestCurve(keras.callbacks.Callback):
         super().__init__()
         self.images, self.run, self.label = images, run, label
         self.step = graph(lambda x: {"bound": model.bound(x, seed=tf.constant([0, 0], tf.int64))["bound"],
-                                           "mse": tf.reduce_mean(tf.square(model(x)["reconstructions"] - x),
-                                                                 axis=(1, 2, 3))})
+                                     "mse": tf.reduce_mean(tf.square(model(x)["reconstructions"] - x),
+                                                           axis=(1, 2, 3))})
 
     def on_epoch_end(self, epoch, logs=None):
         found = _batched(self.step, self.images)
