@@ -4,9 +4,11 @@ Installed, each is a console script (`poecaps-train-layerwise`, ...); from a
 checkout, `python scripts/<name>.py` runs the same function.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
+import sys
 
 from poecaps.experiments import cli, presets
 from poecaps.experiments.configs import (
@@ -23,6 +25,14 @@ from poecaps.experiments.configs import (
 from poecaps.experiments.settings import specs
 
 RESUME_HELP = "go on with the run in --run-dir, with its own settings; flags given change them (not the model)"
+
+
+def _print_json(work):
+    """Print `work()`'s result on stdout as JSON, alone: while it works, what it prints (progress lines,
+    Keras' bars) goes to stderr, so `command > result.json` writes the JSON and the terminal shows the rest."""
+    with contextlib.redirect_stdout(sys.stderr):
+        result = work()
+    print(json.dumps(result, indent=2))
 
 
 def _train_layerwise(argv=None):
@@ -59,7 +69,7 @@ def _evaluate(argv=None):
     config = cli.config_from_flags(EvaluationConfig, args)
     from poecaps.experiments.evaluation import evaluate_run  # TensorFlow: after --help
 
-    print(json.dumps(evaluate_run(args.run_dir, config), indent=2))
+    _print_json(lambda: evaluate_run(args.run_dir, config))
 
 
 def _baseline(argv=None):
@@ -95,9 +105,13 @@ def _baseline(argv=None):
                                f"{', '.join(given)}.")
     else:
         config, record = cli.config_from_args("baseline", args, shortcuts)
-        train_baseline(config, args.run_dir, record, resume=args.resume)
-    result = evaluate_baseline(args.run_dir, evaluation)
-    print(json.dumps(result, indent=2))
+
+    def train_and_evaluate():
+        if not args.evaluate_only:
+            train_baseline(config, args.run_dir, record, resume=args.resume)
+        return evaluate_baseline(args.run_dir, evaluation)
+
+    _print_json(train_and_evaluate)
 
 
 def _compare_routing(argv=None):
@@ -158,7 +172,7 @@ def _sparse_inference(argv=None):
     config = cli.config_from_flags(SparseInferenceConfig, args)
     from poecaps.experiments.api import sparse_inference  # TensorFlow: after --help
 
-    print(json.dumps(sparse_inference(args.run_dir, **dataclasses.asdict(config)), indent=2))
+    _print_json(lambda: sparse_inference(args.run_dir, **dataclasses.asdict(config)))
 
 
 def _generative_capsules(argv=None):
@@ -174,7 +188,7 @@ def _generative_capsules(argv=None):
     from poecaps.experiments.api import generative_capsules  # TensorFlow: after --help
 
     given = cli.flag_values(args, specs(GenerativeConfig))          # resumed: the others are the layer's own
-    print(json.dumps(generative_capsules(args.run_dir, resume=args.resume, **given), indent=2))
+    _print_json(lambda: generative_capsules(args.run_dir, resume=args.resume, **given))
 
 
 # The settings of `scripts/probabilistic_capsules.py` that are flags of their own (the help's dozen flags).
@@ -197,8 +211,8 @@ def _probabilistic_capsules(argv=None):
         p.error("--data-dir (a folder of MNIST IDX files) is required to train")
     from poecaps.experiments.api import probabilistic_capsules  # TensorFlow: after --help
 
-    print(json.dumps(probabilistic_capsules(args.run_dir, resume=args.resume, evaluate_only=args.evaluate_only,
-                                            **settings), indent=2))
+    _print_json(lambda: probabilistic_capsules(args.run_dir, resume=args.resume, evaluate_only=args.evaluate_only,
+                                               **settings))
 
 
 def train_layerwise(argv=None):
