@@ -301,8 +301,7 @@ def _evaluations(gone):
     }
 
 
-@pytest.mark.parametrize("command", ["evaluate.py", "baseline.py --evaluate-only", "probabilistic_capsules.py evaluate",
-                                     "sparse_inference.py, l1 given", "sparse_inference.py, l1 calibrated"])
+@pytest.mark.parametrize("command", list(_evaluations("moved")))
 def test_a_trained_run_whose_images_are_gone_is_left_as_it_was_by_the_commands_that_read_it(
         tmp_path, monkeypatch, command):
     # No line in environment.jsonl, no folder, no file for a command that stopped before it read an image.
