@@ -27,12 +27,16 @@ from poecaps.experiments.settings import specs
 RESUME_HELP = "go on with the run in --run-dir, with its own settings; flags given change them (not the model)"
 
 
-def _print_json(work):
-    """Print `work()`'s result on stdout as JSON, alone: while it works, what it prints (progress lines,
-    Keras' bars) goes to stderr, so `command > result.json` writes the JSON and the terminal shows the rest."""
+def _quietly(work):
+    """`work()`, with what it prints (progress lines, Keras' bars) sent to stderr instead of stdout."""
     with contextlib.redirect_stdout(sys.stderr):
-        result = work()
-    print(json.dumps(result, indent=2))
+        return work()
+
+
+def _print_json(work):
+    """Print `work()`'s result on stdout as JSON, alone (`_quietly`): `command > result.json` writes the JSON,
+    and the terminal still shows the progress."""
+    print(json.dumps(_quietly(work), indent=2))
 
 
 def _train_layerwise(argv=None):
@@ -142,20 +146,26 @@ def _toy_routing(argv=None):
                    "network over its steps, with no penalty, L1 and L2, under both readings of the energy; "
                    "writes RUN/toy_routing.png.", run_dir_default=os.path.join("runs", "toy_routing"))
     cli.add_config_flags(p, ToyRoutingConfig)
-    p.add_argument("--json", action="store_true", help="print the six final states as one JSON line, last")
+    p.add_argument("--json", action="store_true",
+                   help="print the six final states as one JSON line, alone on stdout (the rest on stderr)")
     p.add_argument("--seed", default=None, metavar="VALUE",
                    help="accepted for uniformity; the toy is deterministic (it starts at x = u)")
     args = p.parse_args(argv)
     config = cli.config_from_flags(ToyRoutingConfig, args)
     from poecaps.experiments.api import toy_routing  # TensorFlow: after --help
 
-    finals = toy_routing(args.run_dir, **dataclasses.asdict(config))
-    print(f"wrote {os.path.join(args.run_dir, 'toy_routing.png')}")
-    for reading, states in finals.items():
-        for penalty, x in states.items():
-            print(f"{reading:12s} {penalty:5s} x = ({', '.join(f'{v:+.4f}' for v in x)})")
+    def work():
+        finals = toy_routing(args.run_dir, **dataclasses.asdict(config))
+        print(f"wrote {os.path.join(args.run_dir, 'toy_routing.png')}")
+        for reading, states in finals.items():
+            for penalty, x in states.items():
+                print(f"{reading:12s} {penalty:5s} x = ({', '.join(f'{v:+.4f}' for v in x)})")
+        return finals
+
     if args.json:
-        print(json.dumps(finals))
+        print(json.dumps(_quietly(work)))
+    else:
+        work()
 
 
 def _sparse_inference(argv=None):

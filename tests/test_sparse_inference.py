@@ -52,9 +52,10 @@ def test_toy_output_only_l1_reaches_a_minimiser_with_one_unit_on():
 
 def test_toy_script_prints_the_librarys_states(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "..", "scripts", "toy_routing.py")
-    out = subprocess.run([sys.executable, script, "--json", "--run-dir", str(tmp_path / "toy"), "--steps", "120",
-                          "--learning-rate", "0.02"], capture_output=True, text=True, check=True).stdout
-    printed = json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, script, "--json", "--run-dir", str(tmp_path / "toy"), "--steps", "120",
+                           "--learning-rate", "0.02"], capture_output=True, text=True, check=True)
+    printed = json.loads(done.stdout)                   # the JSON alone on stdout; the readable lines on stderr
+    assert "output_only  l1    x = (" in done.stderr
     for reading in ("output_only", "full"):
         for penalty in ("none", "l1", "l2"):
             trajectory, _ = inference.toy_states(penalty, reading, steps=120, learning_rate=0.02)
