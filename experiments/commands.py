@@ -137,8 +137,8 @@ def _compare_routing(argv=None):
     settings = cli.flag_values(args, shortcuts)
     evaluation = with_values(BaselineEvaluationConfig(), {} if args.test_limit is None else
                              {"test_limit": args.test_limit})
-    _, table = compare_routing(args.run_dir, settings, args.row, evaluation)
-    print(table)
+    _, table = _quietly(lambda: compare_routing(args.run_dir, settings, args.row, evaluation))
+    print(table)                                                # alone on stdout, as the JSON of the others
 
 
 def _toy_routing(argv=None):

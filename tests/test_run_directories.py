@@ -142,6 +142,19 @@ def test_a_routing_table_root_that_is_a_file_gets_one_line_naming_the_flag(tmp_p
     assert "--run-dir" in _answer(capsys, commands.compare_routing, ["--help"])[1]
 
 
+def test_the_routing_table_is_printed_alone_on_stdout(tmp_path, capsys, monkeypatch):
+    # What the rows print as they train and evaluate goes to stderr, so `compare_routing.py > table.md` is the table.
+    from poecaps.experiments import routing_comparison
+
+    def compare_routing(root, settings, rows, evaluation):
+        print("[routing table] faria2019-uniform: training into ...")
+        return {}, "| router | accuracy |"
+    monkeypatch.setattr(routing_comparison, "compare_routing", compare_routing)
+    code, out, err = _answer(capsys, commands.compare_routing, ["--run-dir", str(tmp_path)])
+    assert (code, out) == (0, "| router | accuracy |\n")
+    assert err == ["[routing table] faria2019-uniform: training into ..."]
+
+
 def test_a_run_keeps_the_last_entry_of_each_epoch_of_a_json_lines_file(tmp_path):
     # A resumed run may measure an epoch twice; its curve keeps the later entry, in epoch order.
     from poecaps.experiments.runs import RunDir
@@ -225,7 +238,7 @@ def test_a_data_folder_that_cannot_be_read_leaves_the_earlier_run_as_it_was(tmp_
     code, out, err = _answer(capsys, main, ["--run-dir", run_dir, "--data-dir", empty, *extra])
     assert code == 2 and len(err) == 1, (code, err)
     assert err[0].startswith("error: Could not load 'mnist' split 'train'") and empty in err[0], err
-    assert "replaced" not in out
+    assert "replaced" not in out + "\n".join(err)     # stdout, or stderr for a command that prints a result
     assert _snapshot(run_dir) == before
 
 
@@ -257,7 +270,9 @@ def test_a_data_folder_that_cannot_be_read_leaves_no_new_run_folder(tmp_path, ca
     run_dir, empty = str(tmp_path / "new" / "run"), str(tmp_path / "no_digits")
     os.makedirs(empty)
     code, _, err = _answer(capsys, main, ["--run-dir", run_dir, "--data-dir", empty, *extra])
-    assert code == 2 and len(err) == 1 and err[0].startswith("error: Could not load 'mnist' split 'train'"), err
+    # one error line, last; before it at most the routing table's progress line for its row
+    assert code == 2 and err[-1].startswith("error: Could not load 'mnist' split 'train'"), err
+    assert all(line.startswith("[routing table] ") for line in err[:-1]), err
     assert not os.path.exists(tmp_path / "new")
 
 
