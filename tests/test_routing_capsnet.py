@@ -158,3 +158,17 @@ def test_squashing_routers_start_with_usable_class_lengths(rng, routing):
     model = RoutingCapsNet((28, 28, 1), 10, routing=routing)
     scores = ops.convert_to_numpy(model(rng.uniform(size=(8, 28, 28, 1)).astype("float32"))["scores"])
     assert scores.max() > 0.05 and scores.max() < 0.999
+
+
+def test_seed_fixes_every_weight_but_the_primary_convolutions_which_follow_the_global_state():
+    """The docstring's contract for `seed`: two networks with one seed built after different global seeds differ in
+    the primary capsules' two convolutions alone; with the global state seeded alike they are equal everywhere."""
+    def build(global_seed):
+        keras.utils.set_random_seed(global_seed)
+        net = RoutingCapsNet((28, 28, 1), 10, routing="similarity", filters=8, primary_types=2, conv_types=2, seed=3)
+        return [(w.path, w.numpy()) for w in net.weights]
+
+    first, other, again = build(1), build(2), build(1)
+    differ = sorted(path.split("/", 1)[1] for (path, a), (_, b) in zip(first, other) if not np.array_equal(a, b))
+    assert differ == ["primary_capsules/activation_conv/kernel", "primary_capsules/pose_conv/kernel"]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(first, again))

@@ -110,7 +110,11 @@ class RoutingCapsNet(keras.Model):
             max(1, chunk_capsules // (9 * types in)))`, receptive fields at a
             time), or None for all at once. Same result to rounding; chunks
             pay inside an XLA computation (bench/learned_step.py).
-        seed: seed of every initial weight.
+        seed: seed of the initial weights of `conv1`, the three capsule
+            layers and the routers that learn. The primary capsules' two
+            1x1 convolutions draw theirs from Keras' global random state:
+            call `keras.utils.set_random_seed` first (the scripts do, with
+            `--seed`) for a network that repeats.
 
     Call arguments:
         images: `[B, H, W, C]` in [0, 1].
