@@ -32,6 +32,41 @@ def test_log_normaliser_matches_scipy(rng, d, kappa):
     np.testing.assert_allclose(float(got32), reference[0] - kappa * x[0] @ mu, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [2, 3, 8, 16, 100])
+def test_log_bessel_and_the_normaliser_hold_at_any_concentration(d):
+    """`log I_(d/2-1)(kappa)` against scipy's scaled Bessel function (`log ive + kappa`) from kappa = 1e-3 to
+    1e6, across the switch from the power series to the uniform asymptotic expansion, with its derivative;
+    and the log-densities at the mode against `scipy.stats.vonmises_fisher` there. The tolerance is float64
+    rounding of the largest intermediate, the series' terms (about 2 SERIES_TERMS |log(kappa/2)|) or kappa."""
+    kappa = np.array([1e-3, 0.5, 7.0, 120.0, 999.0, 1000.0, 1001.0, 1500.0, 2000.0, 5000.0, 3e4, 1e6])
+    order = d / 2 - 1
+    x = tf.constant(kappa)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        got = vmf.log_bessel_i(order, x)
+    reference = np.log(special.ive(order, kappa)) + kappa
+    scale = np.maximum(kappa, (2 * vmf.SERIES_TERMS + order) * np.abs(np.log(kappa / 2)))
+    np.testing.assert_allclose(got.numpy(), reference, rtol=0, atol=float(np.max(64 * np.finfo(float).eps * scale)))
+    # autodiff against the closed form d/dk log I_v(k) = I_(v+1)(k) / I_v(k) + v / k (the softmax over the
+    # series' terms carries their rounding, a few 1e-12 relative at most)
+    slope = special.ive(order + 1, kappa) / special.ive(order, kappa) + order / kappa
+    np.testing.assert_allclose(tape.gradient(got, x).numpy(), slope, rtol=1e-10)
+    mu = np.eye(d)[0]
+    for k in (2000.0, 3e4):
+        log_c = float(vmf.vmf_log_normalizer(tf.constant(k, tf.float64), d))
+        np.testing.assert_allclose(log_c + k, stats.vonmises_fisher(mu, k).logpdf(mu), rtol=0, atol=1e-8)
+        a = special.ive(d / 2, k) / special.ive(d / 2 - 1, k)
+        np.testing.assert_allclose(float(vmf.mean_resultant_length(k, d)), a, rtol=1e-9)
+    # a float32 concentration inside a compiled function, as a layer's learned kappa: finite, with a gradient
+    k32 = tf.constant(kappa, tf.float32)
+    normaliser = tf.function(lambda k: vmf.vmf_log_normalizer(k, d))
+    with tf.GradientTape() as tape:
+        tape.watch(k32)
+        log_c = normaliser(k32)
+    assert log_c.dtype == tf.float32 and np.all(np.isfinite(log_c.numpy()))
+    assert np.all(np.isfinite(tape.gradient(log_c, k32).numpy()))
+
+
 @pytest.mark.parametrize("d, kappa", SETTINGS)
 def test_samples_have_the_mean_resultant_length(rng, d, kappa):
     """E[x] = A_d(kappa) mu, A_d = I_(d/2) / I_(d/2-1) (scipy's Bessel functions here): within 2 % of A, or
@@ -50,6 +85,18 @@ def test_samples_have_the_mean_resultant_length(rng, d, kappa):
     off = x.mean(0) - w.mean() * mu
     assert np.linalg.norm(off) <= 6 * np.sqrt(max(1 - np.mean(w ** 2), 1e-12) / n)
     np.testing.assert_allclose(float(vmf.mean_resultant_length(kappa, d)), a, rtol=1e-9)
+
+
+@pytest.mark.parametrize("d", [3, 16])
+def test_samples_keep_their_spread_at_high_concentration(d):
+    """At kappa >> d the 2 % test on A is empty (A ~ 1); test 1 - E[mu . x] = 1 - A_d(kappa), about
+    (d - 1) / (2 kappa), to 2 %: for 100,000 draws that is above 6 standard errors of the mean of 1 - w,
+    which has a relative spread of about sqrt(2 / (d - 1)) per draw."""
+    n, mu = 100_000, np.eye(d)[0]
+    for kappa in (1e4, 1e6):
+        x = vmf.sample_vmf(tf.constant(np.tile(mu, (n, 1))), tf.fill([n], tf.constant(kappa, tf.float64)), [5, 6])
+        gap = 1.0 - special.ive(d / 2, kappa) / special.ive(d / 2 - 1, kappa)
+        np.testing.assert_allclose(1.0 - np.mean(x.numpy() @ mu), gap, rtol=0.02)
 
 
 def numpy_top_down(children, predictions, iterations, beta, accumulate):
