@@ -275,6 +275,41 @@ def test_linear_probe_separates_separable_features(rng):
     assert metrics.linear_probe(noise[:200], labels[:200], noise[200:], labels[200:]) < 0.6
 
 
+@pytest.mark.parametrize("l2", [1e-4, 0.3])
+def test_linear_probe_decides_as_the_penalised_logistic_regression_solved_by_another_method(rng, l2):
+    """The probe's contract, solved independently: standardise with the training statistics (std + 1e-6),
+    append a bias, minimise mean softmax cross-entropy + l2/2 |W without bias|^2 with scipy's BFGS on
+    finite-difference gradients. Overlapping classes, so the optimum is finite and unique; every test point
+    whose two best reference logits differ by more than 1e-3 (far beyond both solvers' tolerance) gets the
+    same class from the probe, read off its `accuracy` one point and one candidate label at a time."""
+    from scipy import optimize, special
+
+    classes, n_train = 3, 120
+    labels = rng.choice(classes, size=n_train + 60, p=[0.6, 0.3, 0.1])   # unequal: the bias matters
+    features = rng.normal(size=(classes, 4))[labels] + rng.normal(size=(len(labels), 4)) * 1.5
+    features[:, 3] = 5.0 + 20.0 * features[:, 3]                     # a shifted, wide column: standardised
+    x, y, test = features[:n_train], labels[:n_train], features[n_train:]
+    mean, std = x.mean(0), x.std(0) + 1e-6
+
+    def design(f):
+        return np.hstack([(f - mean) / std, np.ones((len(f), 1))])
+
+    def objective(flat):
+        w = flat.reshape(5, classes)
+        z = design(x) @ w
+        return np.mean(special.logsumexp(z, axis=1) - z[np.arange(n_train), y]) + 0.5 * l2 * np.sum(w[:-1] ** 2)
+
+    w = optimize.minimize(objective, np.zeros(5 * classes), method="BFGS", options={"gtol": 1e-9}).x
+    logits = design(test) @ w.reshape(5, classes)
+    top_two = np.sort(logits, axis=1)[:, -2:]
+    clear = top_two[:, 1] - top_two[:, 0] > 1e-3
+    assert clear.sum() >= 55
+    accuracy = metrics.fit_linear_probe(x, y, classes, l2=l2)
+    decided = np.array([[accuracy(row[None], np.array([c])) for c in range(classes)] for row in test])
+    assert np.all(decided.sum(axis=1) == 1)                          # one class per point
+    np.testing.assert_array_equal(decided.argmax(1)[clear], logits.argmax(1)[clear])
+
+
 def test_probe_penalty_is_the_best_mean_fold_accuracy_largest_on_ties(rng):
     labels = rng.integers(0, 3, size=90)
     features = np.eye(12)[labels] * 0.6 + rng.normal(size=(90, 12))    # a weak signal in 3 of 12 features
