@@ -188,6 +188,33 @@ def test_random_rotation_turns_each_image_by_its_own_angle_within_the_limit():
     np.testing.assert_allclose(unturned, bar, atol=1e-5)
 
 
+def test_affine_map_is_rotation_shear_scale_about_the_centre_then_translation(rng):
+    """Against scipy.ndimage's bilinear `affine_transform` with the inverse of the documented forward map
+    F = R(angle) [[1, shear], [0, 1]] diag(sx, sy) about the image centre, then translated by (tx, ty): an
+    output pixel p samples the input at F^-1 (p - centre - t) + centre. Compared where that point lies a
+    pixel inside the image, so that both sample the same four pixels; a non-square image catches a swap of
+    rows and columns."""
+    from scipy import ndimage
+
+    h, w = 13, 17
+    image = rng.uniform(size=(1, h, w, 1)).astype("float32")
+    angle, shear, sx, sy, tx, ty = 0.5, 0.2, 1.15, 0.85, 1.5, -2.0
+    got = ops.convert_to_numpy(transforms._apply(image, transforms._matrices(
+        *(np.array([v], "float32") for v in (angle, shear, sx, sy, tx, ty)))))[0, ..., 0]
+    forward = (np.array([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]])
+               @ np.array([[1.0, shear], [0.0, 1.0]]) @ np.diag([sx, sy]))              # (x, y) coordinates
+    inverse, centre = np.linalg.inv(forward), np.array([(w - 1) / 2, (h - 1) / 2])
+    swap = np.array([[0.0, 1.0], [1.0, 0.0]])                                            # (x, y) <-> (row, col)
+    matrix = swap @ inverse @ swap
+    offset = swap @ (centre - inverse @ (centre + np.array([tx, ty])))
+    expected = ndimage.affine_transform(image[0, ..., 0].astype("float64"), matrix, offset, order=1)
+    rows, cols = np.mgrid[:h, :w]
+    source = np.einsum("ij,jrc->irc", matrix, np.stack([rows, cols])) + offset[:, None, None]
+    inside = (source[0] >= 1) & (source[0] <= h - 2) & (source[1] >= 1) & (source[1] <= w - 2)
+    assert inside.sum() > 0.4 * h * w
+    np.testing.assert_allclose(got[inside], expected[inside], rtol=0, atol=1e-5)    # float32 coordinates
+
+
 def test_random_affine_keeps_range_and_shape(rng):
     image = rng.uniform(size=(4, 12, 12, 3)).astype("float32")
     out = ops.convert_to_numpy(transforms.random_affine(image, seed=keras.random.SeedGenerator(0)))
