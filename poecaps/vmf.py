@@ -104,7 +104,7 @@ def _householder_to(mu, x):
 
 
 def sample_vmf(mu, kappa, seed):
-    """One vMF draw per row: `mu` `[N, d]` unit vectors, `kappa` `[N]` > 0, `seed` a pair of integers.
+    """One vMF draw per row: `mu` `[N, d]` unit vectors, `kappa` `[N]` >= 0, `seed` a pair of integers.
 
     Wood's (1994) rejection sampler: the component `w = mu . x` is drawn by
     rejection from a Beta-based proposal with
@@ -118,34 +118,56 @@ def sample_vmf(mu, kappa, seed):
     direction is uniform on the sphere orthogonal to mu. Stateless: the same
     seed gives the same draws.
 
+    Computed as written, x0 and w round to 1 once b is below the dtype's
+    epsilon (kappa above about 1e7 in float32, 1e16 in float64), the test
+    becomes NaN and no draw is ever accepted. So the sampler carries
+    t = 1 - w and the test in the equivalent forms
+
+        t = 2 b z / (1 - (1 - b) z),
+        accept if kappa (2 b / (1 + b) - t) + (d - 1) log((1 + b) / (2 (1 - (1 - b) z))) >= log u,
+
+    and returns `(1 - t, sqrt(t (2 - t)) e)` turned onto mu, which keeps the
+    draw's spread about mu at any kappa. A row whose kappa is +inf is mu
+    itself (the limit); a negative or NaN kappa gives a row of NaN; neither
+    keeps the loop going.
+
     Returns:
         `[N, d]` unit vectors.
     """
     mu = tf.convert_to_tensor(mu)
     dtype = mu.dtype
     kappa = tf.cast(tf.convert_to_tensor(kappa), dtype)
+    check_integer(mu.shape[-1], "mu.shape[-1]", minimum=2)
     n, d = tf.shape(mu)[0], mu.shape[-1]
     dm1 = tf.cast(d - 1, dtype)
-    b = dm1 / (2.0 * kappa + tf.sqrt(4.0 * tf.square(kappa) + tf.square(dm1)))
-    x0 = (1.0 - b) / (1.0 + b)
-    c = kappa * x0 + dm1 * tf.math.log(1.0 - tf.square(x0))
+    drawn = tf.math.is_finite(kappa) & (kappa >= 0.0)
+    # finite kappa past a quarter of the dtype's largest number draws as that (2 kappa must not overflow)
+    k = tf.where(drawn, tf.minimum(kappa, dtype.max / 4.0), tf.zeros_like(kappa))
+    scale = tf.maximum(2.0 * k, dm1)                     # sqrt(4 k^2 + (d-1)^2) without overflowing the square
+    b = dm1 / (2.0 * k + scale * tf.sqrt(tf.square(2.0 * k / scale) + tf.square(dm1 / scale)))
+    mode_gap = 2.0 * b / (1.0 + b)                       # 1 - x0
     seed = tf.convert_to_tensor(seed, tf.int32)
     half = tf.fill([n], dm1 / 2.0)
 
-    def body(k, w, done):
-        s = tf.stack([seed[0], seed[1] + 3 * k])
+    def body(round_, t, done):
+        s = tf.stack([seed[0], seed[1] + 3 * round_])
         g1 = tf.random.stateless_gamma([n], s, alpha=half, dtype=dtype)
         g2 = tf.random.stateless_gamma([n], s + [0, 1], alpha=half, dtype=dtype)
         z = g1 / (g1 + g2)
         u = tf.random.stateless_uniform([n], s + [0, 2], dtype=dtype)
-        proposal = (1.0 - (1.0 + b) * z) / (1.0 - (1.0 - b) * z)
-        accept = kappa * proposal + dm1 * tf.math.log(1.0 - x0 * proposal) - c >= tf.math.log(u)
+        denominator = 1.0 - (1.0 - b) * z
+        proposal = 2.0 * b * z / denominator
+        accept = (k * (mode_gap - proposal) + dm1 * tf.math.log((1.0 + b) / (2.0 * denominator))
+                  >= tf.math.log(u))
         take = tf.logical_and(accept, tf.logical_not(done))
-        return k + 1, tf.where(take, proposal, w), tf.logical_or(done, accept)
+        return round_ + 1, tf.where(take, proposal, t), tf.logical_or(done, accept)
 
-    _, w, _ = tf.while_loop(lambda k, w, done: tf.logical_not(tf.reduce_all(done)), body,
-                            (tf.constant(0), tf.zeros([n], dtype), tf.zeros([n], tf.bool)))
+    # rows not drawn start done: +inf at t = 0 (mu), negative or NaN at NaN
+    at_mu = tf.math.is_inf(kappa) & (kappa > 0)
+    start = tf.where(at_mu, tf.zeros([n], dtype), tf.fill([n], tf.constant(math.nan, dtype)))
+    _, t, _ = tf.while_loop(lambda round_, t, done: tf.logical_not(tf.reduce_all(done)), body,
+                            (tf.constant(0), start, tf.logical_not(drawn)))
     tangent = tf.random.stateless_normal([n, d - 1], seed + [1, 0], dtype=dtype)
     tangent = tangent / tf.norm(tangent, axis=-1, keepdims=True)
-    x = tf.concat([w[:, None], tf.sqrt(tf.maximum(1.0 - tf.square(w), 0.0))[:, None] * tangent], axis=-1)
+    x = tf.concat([(1.0 - t)[:, None], tf.sqrt(tf.maximum(t * (2.0 - t), 0.0))[:, None] * tangent], axis=-1)
     return _householder_to(mu, x)
