@@ -145,10 +145,8 @@ def faria2019_similarity():
     the activations are multiplied by a learned scale starting at 10
     before the softmax (`loss="scaled_cross_entropy"`, `logit_scale=10`);
     activations in [0, 1] as logits cannot express a confident class, and
-    in the budget a scale starting at 1 grows too slowly (validation on
-    held-out training digits, docs/routing_table.md: similarity 54.7 % with
-    the plain loss, 82.2 % with the scale from 1, 92.8 % from 10;
-    connectionist 87.9 % from 1, 91.1 % from 10).
+    in the budget a scale starting at 1 grows too slowly (the validation on
+    held-out training digits that chose it: docs/routing_table.md).
     """
     return _faria2019("similarity")
 
