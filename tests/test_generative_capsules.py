@@ -169,6 +169,23 @@ def test_the_em_bound_never_decreases(rng, seed):
     np.testing.assert_allclose(result.activations.numpy(), share, rtol=1e-8)     # (a 1e-9 floor in the sum)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_inference_in_a_graph_is_the_eager_inference(rng, jit_compile):
+    """`infer` traced (its iterations a `tf.while_loop`), by XLA or not, takes the eager path: float64, the
+    same operations, so the poses, coefficients and bound trace agree to rounding (a step kept or refused
+    alike at every iteration, else the poses would differ by a whole step)."""
+    layer = _layer(0, em_iterations=6)
+    children = tf.constant(rng.normal(size=(3, 12, 5)))
+    activations = tf.constant(rng.uniform(0.1, 1, size=(3, 12)))
+    eager, eager_trace = layer.infer(children, activations, return_trace=True)
+    traced = tf.function(lambda x, a: layer.infer(x, a, return_trace=True), jit_compile=jit_compile)
+    found, trace = traced(children, activations)
+    assert trace.shape == (7, 3)
+    np.testing.assert_allclose(trace.numpy(), eager_trace.numpy(), rtol=1e-10)
+    for a, b in zip(found, eager):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-8, atol=1e-12)
+
+
 def test_the_bound_at_the_posterior_is_the_marginal_log_joint(rng):
     """With r the exact posterior, L(v, r) = log p(V, v) = sum_i log sum_j pi_ij p(V_i | j, v) + log N(v)."""
     layer = _layer(1)

@@ -189,14 +189,15 @@ class GenerativeCapsules(keras.layers.Layer):
         """
         children = self._children(children)
         dtype = children.dtype
+        iterations = check_integer(iterations or self.em_iterations, "iterations")
         a = tf.ones(tf.shape(children)[:2], dtype) if activations is None else tf.cast(activations, dtype)
         params = {k: tf.stop_gradient(t) for k, t in self._parameters(dtype).items()}
         bound = lambda v, r: self.log_joint(children, v, r, a, params)
         v = tf.stop_gradient(self.bottom_up(children, a))
-        r = self.posterior(children, v, params)
-        trace = [bound(v, r)]
+        trace = tf.TensorArray(dtype, size=iterations + 1).write(0, bound(v, self.posterior(children, v, params)))
         step = tf.fill(tf.shape(children)[:1], tf.constant(0.1, dtype))
-        for _ in range(iterations or self.em_iterations):
+
+        def iteration(k, v, step, trace):
             r = self.posterior(children, v, params)
             current = bound(v, r)
             for _ in range(self.pose_steps):
@@ -209,12 +210,16 @@ class GenerativeCapsules(keras.layers.Layer):
                 v = tf.where(better[:, None, None], trial, v)
                 current = tf.where(better, bound(v, r), current)
                 step = tf.where(better, step * 1.5, step * 0.5)
-            trace.append(current)
+            return k + 1, v, step, trace.write(k + 1, current)
+
+        # The iterations as a loop, not unrolled: a graph (and an XLA computation) of one iteration whatever
+        # their number; eagerly it runs the same operations in the same order.
+        _, v, step, trace = tf.while_loop(lambda k, *_: k < iterations, iteration, (tf.constant(0), v, step, trace))
         r = self.posterior(children, v, params)
         # [B, I] x [B, I, J] -> [B, J]: the activation-weighted share of children each parent explains
         explained = tf.einsum("bi,bij->bj", a, r) / (tf.reduce_sum(a, -1, keepdims=True) + _TINY)
         result = RoutingResult(v, explained, r)
-        return (result, tf.stack(trace)) if return_trace else result
+        return (result, trace.stack()) if return_trace else result
 
     def call(self, children, activations=None):
         return self.infer(children, activations)
