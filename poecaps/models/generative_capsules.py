@@ -214,7 +214,7 @@ class GenerativeCapsules(keras.layers.Layer):
 
         # The iterations as a loop, not unrolled: a graph (and an XLA computation) of one iteration whatever
         # their number; eagerly it runs the same operations in the same order.
-        _, v, step, trace = tf.while_loop(lambda k, *_: k < iterations, iteration, (tf.constant(0), v, step, trace))
+        _, v, _, trace = tf.while_loop(lambda k, *_: k < iterations, iteration, (tf.constant(0), v, step, trace))
         r = self.posterior(children, v, params)
         # [B, I] x [B, I, J] -> [B, J]: the activation-weighted share of children each parent explains
         explained = tf.einsum("bi,bij->bj", a, r) / (tf.reduce_sum(a, -1, keepdims=True) + _TINY)
