@@ -51,8 +51,8 @@ def _train_layerwise(argv=None):
     config, record = cli.config_from_args("layerwise", args, ("seed", "dataset", "data_dir", "limit"))
     from poecaps.experiments.api import run_layerwise  # TensorFlow: after --help
 
-    run_layerwise(config, args.run_dir, record, stages=args.stage or STAGES, resume=args.resume,
-                  evaluate=not args.no_evaluate)
+    _print_json(lambda: run_layerwise(config, args.run_dir, record, stages=args.stage or STAGES,
+                                      resume=args.resume, evaluate=not args.no_evaluate))
 
 
 def _sample(argv=None):

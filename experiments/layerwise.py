@@ -8,7 +8,6 @@ one starts.
 """
 
 import dataclasses
-import json
 import os
 import shutil
 import time
@@ -292,7 +291,7 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     timings = {}
     for stage in stages:
         if resume and stage in state["stages"]:
-            print(f"[{stage}] already trained ({state['stages'][stage]['seconds']:.0f} s); skipping")
+            print(f"[{stage}] already trained ({state['stages'][stage]['seconds']:.0f} s); skipping", flush=True)
             continue
         print(f"[{stage}] training ...", flush=True)
         start = time.perf_counter()
@@ -308,6 +307,4 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
         print(f"[{stage}] done in {timings[stage]:.1f} s", flush=True)
     if os.path.exists(run.file("metrics.jsonl")):
         figures.training_curves(run.file("metrics.jsonl"), run.file("training_curves.png"))
-    print(json.dumps({"stage_seconds": {k: round(v["seconds"], 1) for k, v in state["stages"].items()}}),
-          flush=True)
     return timings

@@ -68,7 +68,10 @@ def _small(mnist_dir, run, *extra):
 def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     run = str(tmp_path / "run")
     out, err = _run("train_layerwise.py", *_small(mnist_dir, run), stderr=True)
-    assert "[decoder] done" in out and "stage_seconds" in out and "wrote " in out
+    assert "[decoder] done" in err and "wrote " in err         # the progress goes to stderr
+    printed = json.loads(out)                                   # stdout is the result alone
+    assert printed["run_dir"] == run and list(printed["stage_seconds"]) == ["autoencoder", "encoder", "decoder", "rbm"]
+    assert printed["samples"] == os.path.join(run, "samples.png") and printed["eval"] == os.path.join(run, "eval.json")
     for name in ("config.json", "state.json", "metrics.jsonl", "filters.png", "training_curves.png",
                  "models/autoencoder.keras", "models/encoder.keras", "models/decoder.keras",
                  "models/rbm.keras", "models/code_mean.npy", "models/mean_directions.npy",
@@ -90,9 +93,11 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     assert result["result_grid"]["rows"] == 3 and result["result_grid"]["domain"] == "winning"
     assert "[evaluate] the result grid (samples.npz, winning domain, 3 rows): " in err
 
-    resumed = _run("train_layerwise.py", *_small(mnist_dir, run, "--set", "encoder_epochs=2", "--resume",
-                                                  "--no-evaluate"))
-    assert resumed.count("already trained") == 4
+    resumed, err = _run("train_layerwise.py", *_small(mnist_dir, run, "--set", "encoder_epochs=2", "--resume",
+                                                       "--no-evaluate"), stderr=True)
+    assert err.count("already trained") == 4
+    # resumed, every stage's seconds are the run's own (none trained by this call); nothing drawn or evaluated
+    assert json.loads(resumed) == {**printed, "samples": None, "eval": None}
     with open(os.path.join(run, "state.json")) as handle:
         stages = json.load(handle)["stages"]
     with open(os.path.join(run, "config.json")) as handle:
@@ -102,8 +107,8 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     with open(os.path.join(run, "config.json")) as handle:
         before = json.load(handle)
     # --resume alone goes on with the run's own settings (seed 3, its data, 2 encoder epochs), not the preset's
-    resumed = _run("train_layerwise.py", "--run-dir", run, "--resume", "--no-evaluate")
-    assert resumed.count("already trained") == 4
+    _, err = _run("train_layerwise.py", "--run-dir", run, "--resume", "--no-evaluate", stderr=True)
+    assert err.count("already trained") == 4
     with open(os.path.join(run, "config.json")) as handle:
         assert json.load(handle) == before
     # another decoder rule is another decoder: refused, naming the setting
