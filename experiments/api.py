@@ -23,6 +23,7 @@ work starts. The command lines call the same functions.
 """
 
 import dataclasses
+import os
 import time
 
 from poecaps.experiments import generative_capsules as generative
@@ -44,7 +45,7 @@ from poecaps.experiments.evaluation import evaluate_run
 from poecaps.experiments.generative_capsules import train_generative
 from poecaps.experiments.layerwise import train_layerwise
 from poecaps.experiments.routing_comparison import compare_routing as _compare_routing
-from poecaps.experiments.runs import RunDir, config_to_resume, values_to_resume
+from poecaps.experiments.runs import config_to_resume, values_to_resume
 from poecaps.experiments.sampling import sample_run
 from poecaps.experiments.settings import SettingError, with_values
 from poecaps.experiments.toy_routing import toy_routing as _toy_routing
@@ -91,23 +92,21 @@ def run_layerwise(config, run_dir, record=None, stages=STAGES, resume=False, eva
     """The main job: `train_layerwise`, then the result grid and `eval.json`.
 
     Returns what `scripts/train_layerwise.py` prints as its result: the run
-    directory, the seconds of every trained stage in training order
-    (`state.json`'s, so a resumed run lists the stages trained before too),
-    and the paths of `samples.png` and `eval.json` (None with
-    `evaluate=False`).
+    directory, the seconds of every trained stage in training order (a
+    resumed run lists the stages trained before too), and the paths of
+    `samples.png` and `eval.json` (None with `evaluate=False`).
     """
-    train_layerwise(config, run_dir, record, stages, resume)
-    found = {"png": None}
+    seconds = train_layerwise(config, run_dir, record, stages, resume)
+    result = {"run_dir": run_dir, "stage_seconds": {stage: round(s, 1) for stage, s in seconds.items()},
+              "samples": None, "eval": None}
     if evaluate:
         start = time.perf_counter()
         found = sample_run(run_dir)
         print(f"wrote {found['png']} and {found['npz']} (images {found['shape']}) in "
               f"{time.perf_counter() - start:.1f} s", flush=True)
         evaluate_run(run_dir)
-    run = RunDir(run_dir)
-    done = (run.read_json("state.json") or {}).get("stages", {})
-    return {"run_dir": run_dir, "stage_seconds": {k: round(done[k]["seconds"], 1) for k in STAGES if k in done},
-            "samples": found["png"], "eval": run.file("eval.json") if evaluate else None}
+        result.update(samples=found["png"], eval=os.path.join(run_dir, "eval.json"))
+    return result
 
 
 def _evaluation(test_limit):

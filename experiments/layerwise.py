@@ -257,7 +257,8 @@ def _resume_state(run, config, resume):
 
 
 def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
-    """Train `stages` in order into `run_dir`; returns `{stage: seconds}` of this call.
+    """Train `stages` in order into `run_dir`; returns `{stage: seconds}` of every stage the run has trained
+    (this call's and, resumed, the earlier ones), in training order.
 
     `record` is what `config.json` keeps besides the settings (kind, preset,
     overrides; `poecaps.experiments.cli.config_from_args`). With `resume`,
@@ -288,7 +289,6 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     run.record_environment("train")
     strategy = distribute.get_strategy(config.strategy)
     print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
-    timings = {}
     for stage in stages:
         if resume and stage in state["stages"]:
             print(f"[{stage}] already trained ({state['stages'][stage]['seconds']:.0f} s); skipping", flush=True)
@@ -300,11 +300,11 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
                 train_rbm(config, run, train, test, resume)
             else:
                 train_stage(stage, config, run, train, test, resume)
-        timings[stage] = time.perf_counter() - start
+        seconds = time.perf_counter() - start
         # A resumed run may change settings outside ARCHITECTURE, so each stage keeps its own.
-        state["stages"][stage] = {"seconds": timings[stage], "settings": settings}
+        state["stages"][stage] = {"seconds": seconds, "settings": settings}
         run.write_json("state.json", state)
-        print(f"[{stage}] done in {timings[stage]:.1f} s", flush=True)
+        print(f"[{stage}] done in {seconds:.1f} s", flush=True)
     if os.path.exists(run.file("metrics.jsonl")):
         figures.training_curves(run.file("metrics.jsonl"), run.file("training_curves.png"))
-    return timings
+    return {stage: state["stages"][stage]["seconds"] for stage in STAGES if stage in state["stages"]}
