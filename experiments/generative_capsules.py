@@ -76,14 +76,18 @@ class _Inversion:
         self.layer, self.batch_size = layer, batch_size
         self.step = graph(infer, jit_compile=True)
 
-    def __call__(self, children):
-        """`(bound per child, coefficient entropy over log J, parents [N, J, D])` on `children`."""
+    def outputs(self, children):
+        """`(parents [N, J, D], coefficients [N, I, J], bound [N])` of the inference on `children`."""
         parts = []
         for s in range(0, len(children), self.batch_size):
             batch = children[s:s + self.batch_size]
             padded = np.concatenate([batch, np.repeat(batch[:1], self.batch_size - len(batch), 0)])
             parts.append([p.numpy()[:len(batch)] for p in self.step(tf.constant(padded))])
-        poses, coefficients, bound = (np.concatenate([p[k] for p in parts]) for k in range(3))
+        return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))
+
+    def __call__(self, children):
+        """`(bound per child, coefficient entropy over log J, parents [N, J, D])` on `children`."""
+        poses, coefficients, bound = self.outputs(children)
         entropy = -np.sum(coefficients * np.log(coefficients + 1e-30), -1)
         return (float(np.mean(bound) / children.shape[1]),
                 float(np.mean(entropy)) / math.log(self.layer.num_parents), poses)

@@ -30,26 +30,12 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from poecaps import metrics
 from poecaps.experiments.generative_capsules import SETTINGS, _Inversion, primary_capsules
 from poecaps.experiments.runs import load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet, load_saved
 from poecaps.models import GenerativeCapsules
-
-
-def infer(inversion, children):
-    """`(poses [N, J, D], coefficients [N, I, J])` from the inversion's compiled step, batch by batch."""
-    poses, coefficients = [], []
-    size = inversion.batch_size
-    for s in range(0, len(children), size):
-        batch = children[s:s + size]
-        padded = np.concatenate([batch, np.repeat(batch[:1], size - len(batch), 0)])
-        v, r, _ = inversion.step(tf.constant(padded))
-        poses.append(v.numpy()[:len(batch)])
-        coefficients.append(r.numpy()[:len(batch)])
-    return np.concatenate(poses), np.concatenate(coefficients)
 
 
 def feature_sets(poses, coefficients, children):
@@ -84,8 +70,8 @@ def main():
               "test_images": len(x_test), "reported_probe_accuracy": reported}
     for name, layer in (("learned", learned), ("random_g", initial)):
         inversion = _Inversion(layer, settings["batch_size"], settings["iterations"])
-        train_sets = feature_sets(*infer(inversion, x_train[few]), x_train[few])
-        test_sets = feature_sets(*infer(inversion, x_test), x_test)
+        train_sets = feature_sets(*inversion.outputs(x_train[few])[:2], x_train[few])
+        test_sets = feature_sets(*inversion.outputs(x_test)[:2], x_test)
         result[name] = {key: metrics.linear_probe(train_sets[key], train_labels[few], test_sets[key], test_labels)
                         for key in train_sets}
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in result[name].items()), flush=True)
