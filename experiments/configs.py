@@ -17,7 +17,7 @@ from poecaps.experiments.settings import (
     unknown_field_error,
     with_values,
 )
-from poecaps.trainers import NAN_POLICIES
+from poecaps.trainers import CHILD_WEIGHTS, NAN_POLICIES
 
 # Layer-wise stages, in training order (`scripts/train_layerwise.py --stage`).
 STAGES = ("autoencoder", "encoder", "decoder", "rbm")
@@ -260,6 +260,8 @@ class GenerativeConfig(Checked):
     batch_size: int = setting(32, "children's images per EM step", minimum=1)
     learning_rate: float = setting(3e-3, "Adam's learning rate", above=0.0)
     iterations: int = setting(10, "EM iterations of every inference", minimum=1)
+    child_weights: str = setting("uniform", "each child's weight a_i in inference and learning: uniform, or "
+                                 "lengths (its length, a capsule's activation)", choices=CHILD_WEIGHTS)
     heldout: int = setting(200, "test images whose bound is followed over training", minimum=1)
     probe_train: int = setting(1000, "training images of the linear probes and of the figure's decoder", minimum=1)
     seed: int = setting(0, "seeds the initial G, the batch order and the samples", minimum=0)

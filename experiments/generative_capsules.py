@@ -33,7 +33,7 @@ from poecaps.experiments.trained import load_capsnet
 from poecaps.graphs import graph
 from poecaps.models import GenerativeCapsules
 from poecaps.models.saving import save_component
-from poecaps.trainers.generative import GenerativeCapsuleTrainer
+from poecaps.trainers.generative import GenerativeCapsuleTrainer, child_activations
 from poecaps.trainers.resumable import fit_resumable
 
 # The held-out curve of the layer, one JSON line per epoch, kept across resumed calls.
@@ -42,7 +42,7 @@ CURVE = os.path.join("generative", "curve.jsonl")
 SETTINGS = os.path.join("generative", "config.json")
 KIND = "generative-capsules"
 # Settings that shape the layer's training: a resumed call keeps them.
-SHAPE = ("parents", "parent_dim", "batch_size", "learning_rate", "iterations", "heldout", "seed")
+SHAPE = ("parents", "parent_dim", "batch_size", "learning_rate", "iterations", "child_weights", "heldout", "seed")
 
 
 def curves_figure(record, path):
@@ -65,13 +65,15 @@ def primary_capsules(model, images, batch_size=250):
 class _Inversion:
     """A layer's inference over many child sets, compiled once: one XLA computation for every batch.
 
-    The last batch is padded with copies of its first child set and the padding dropped.
+    Each child is weighed as `child_weights` says (`trainers.generative.child_activations`). The last batch
+    is padded with copies of its first child set and the padding dropped.
     """
 
-    def __init__(self, layer, batch_size, iterations):
+    def __init__(self, layer, batch_size, iterations, child_weights="uniform"):
         def infer(x):
-            found = layer.infer(x, iterations=iterations)
-            return found.poses, found.coefficients, layer.log_joint(x, found.poses, found.coefficients)
+            a = child_activations(x, child_weights)
+            found = layer.infer(x, a, iterations=iterations)
+            return found.poses, found.coefficients, layer.log_joint(x, found.poses, found.coefficients, a)
 
         self.layer, self.batch_size = layer, batch_size
         self.step = graph(infer, jit_compile=True)
@@ -122,10 +124,11 @@ def _decoder(parents, images, seed, epochs=30):
 
 
 def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32, learning_rate=3e-3,
-                     iterations=10, heldout=200, probe_train=1000, seed=0, resume=False):
+                     iterations=10, child_weights="uniform", heldout=200, probe_train=1000, seed=0, resume=False):
     """Learn the generative layer on the run's primary capsules; write and return `generative.json`.
 
-    Every inference (training steps, held-out bound, probes) runs `iterations` EM iterations. The bound
+    Every inference (training steps, held-out bound, probes) runs `iterations` EM iterations and weighs
+    each child as `child_weights` says: alike ("uniform") or by its length ("lengths"). The bound
     is followed on `heldout` test images; the linear probes train on `probe_train` training images and
     test on the whole test split; the decoder of the figure learns on the same `probe_train` images.
     The settings are checked (`configs.GenerativeConfig`) before the run is read.
@@ -137,7 +140,7 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     """
     layer_config = GenerativeConfig(
         parents=parents, parent_dim=parent_dim, epochs=epochs, batch_size=batch_size, learning_rate=learning_rate,
-        iterations=iterations, heldout=heldout, probe_train=probe_train, seed=seed)
+        iterations=iterations, child_weights=child_weights, heldout=heldout, probe_train=probe_train, seed=seed)
     run, config, model = load_capsnet(run_dir)
     if resume:
         check_same_model(run, (run.read_json(SETTINGS) or {}).get("settings") or {}, layer_config, SHAPE)
@@ -165,16 +168,18 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     initial = GenerativeCapsules.from_config(layer.get_config())        # the same layer, G kept random
     initial.build(x_train.shape)
     initial.set_weights(layer.get_weights())
-    invert, invert_initial = _Inversion(layer, batch_size, iterations), _Inversion(initial, batch_size, iterations)
+    invert, invert_initial = (_Inversion(g, batch_size, iterations, child_weights) for g in (layer, initial))
     if fresh:
         bound0, entropy0, _ = invert(x_test[pick])
         run.append_jsonl(CURVE, {"epoch": 0, "heldout_bound_per_child": bound0, "coefficient_entropy": entropy0})
         print(f"[generative] at initialisation: held-out bound per child {bound0:.4f}, "
               f"coefficient entropy / log J {entropy0:.3f}", flush=True)
-    trainer = GenerativeCapsuleTrainer(layer, iterations=iterations)
+    trainer = GenerativeCapsuleTrainer(layer, iterations=iterations, child_weights=child_weights)
     trainer.compile(optimizer=keras.optimizers.Adam(learning_rate), jit_compile=True)
     usable = len(x_train) - len(x_train) % batch_size        # whole batches: one XLA computation
     shape = {name: getattr(layer_config, name) for name in SHAPE}
+    if child_weights == "uniform":      # as every layer trained before the setting was: their checkpoints resume
+        del shape["child_weights"]
     fit_resumable(trainer, x_train[:usable], epochs=epochs, batch_size=batch_size, seed=seed,
                   checkpoint_dir=os.path.join(run.checkpoints, "generative"), checkpoint_config=shape, resume=resume,
                   fault_log=run.file("faults.jsonl"), callbacks=[_HeldOut(invert, x_test[pick], run)])
@@ -191,7 +196,7 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     result = {
         "run": run_dir, "parents": parents, "parent_dim": parent_dim, "children": list(x_train.shape[1:]),
         "epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
-        "iterations": iterations, "seed": seed, "heldout_images": len(pick), "probe_train_images": len(few),
+        "iterations": iterations, "child_weights": child_weights, "seed": seed, "heldout_images": len(pick), "probe_train_images": len(few),
         "curve": record,
         "heldout_bound_per_child": {"initial": record[0]["heldout_bound_per_child"],
                                     "final": record[-1]["heldout_bound_per_child"]},

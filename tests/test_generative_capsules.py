@@ -279,3 +279,32 @@ def test_the_trainer_raises_the_bound_on_children_of_another_layer(rng):
     assert bound() > before          # here about -155 -> -123 per set of children
     with pytest.raises(ValueError, match="iterations"):
         GenerativeCapsuleTrainer(student, iterations=0)
+
+
+def test_the_trainer_weighs_each_child_by_its_length_when_asked(rng):
+    """child_weights="lengths": a child of length 0 moves neither the M-step of G nor the inferred parents."""
+    from poecaps.trainers.generative import GenerativeCapsuleTrainer
+
+    children, _ = _layer(seed=1).generate(rng.normal(size=(16, 3, 4)), seed=[5, 6])
+    children = children.numpy()
+    children[:, 0] = 0.0                                   # child 0 absent from every set
+    turned = children.copy()
+    turned[:, 0] = 1e-9 * rng.normal(size=(16, 5))       # ... or present at length 1e-9, another direction
+    for weights in ("uniform", "lengths"):
+        student = _layer(seed=2)
+        trainer = GenerativeCapsuleTrainer(student, iterations=3, child_weights=weights, dtype="float64")
+        trainer.compile(optimizer=keras.optimizers.SGD(1e-3), run_eagerly=True)
+        moved = np.abs(trainer(turned).poses.numpy() - trainer(children).poses.numpy()).max()
+        before = student.maps.numpy()
+        trainer.train_on_batch(children)
+        change = np.abs(student.maps.numpy() - before).max(axis=(1, 2, 3))      # per child
+        assert np.all(change[1:] > 0)
+        if weights == "lengths":
+            # a_0 = 0: child 0's term of the bound is 0 * (a finite number), so its maps get no gradient;
+            # a_0 = 1e-9 shifts the bound by about 1e-9 * |kappa cos| ~ 2e-8 nats, the parents by a like amount
+            assert change[0] == 0.0 and moved < 1e-6
+        else:
+            # every child counts alike: child 0's length term pulls on its maps, and its direction on the parents
+            assert change[0] > 0.0 and moved > 1e-3
+    with pytest.raises(ValueError, match="child_weights must be one of uniform, lengths"):
+        GenerativeCapsuleTrainer(student, child_weights="length")

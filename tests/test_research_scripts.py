@@ -246,21 +246,26 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
     for name in ("inference.json", "lengths.png", "energy.png"):
         assert os.path.getsize(os.path.join(run, "inference", name)) > 0
 
-    settings = {"parents": 4, "parent_dim": 4, "batch_size": 8, "iterations": 3, "heldout": 8, "probe_train": 16}
+    settings = {"parents": 4, "parent_dim": 4, "batch_size": 8, "iterations": 3, "child_weights": "lengths",
+                "heldout": 8, "probe_train": 16}
     first = generative_capsules.train_generative(run, epochs=1, **settings)
     with pytest.raises(InputError, match=r"other parents \(was 4\)"):       # resumed with another layer
         api.generative_capsules(run, resume=True, epochs=2, parents=3)
+    with pytest.raises(InputError, match=r"other child_weights \(was 'lengths'\)"):
+        api.generative_capsules(run, resume=True, epochs=2, child_weights="uniform")
     found = api.generative_capsules(run, resume=True, epochs=2)          # the other settings: the layer's own
-    assert {k: found[k] for k in ("parents", "parent_dim", "batch_size", "iterations")} == {
-        k: settings[k] for k in ("parents", "parent_dim", "batch_size", "iterations")}
+    kept = ("parents", "parent_dim", "batch_size", "iterations", "child_weights")
+    assert {k: found[k] for k in kept} == {k: settings[k] for k in kept}
     assert [e["epoch"] for e in found["curve"]] == [0, 1, 2]
     assert found["curve"][:2] == first["curve"]                  # the first call's curve kept, not measured again
     assert set(found["probe_accuracy"]) == {"learned", "random_g"} and os.path.getsize(found["figure"]) > 0
     assert os.path.getsize(found["curves_figure"]) > 0
-    # the saved layer, reloaded, infers the recorded coefficient entropy (NumPy's) from the test digits' children
+    # the saved layer, reloaded, infers the recorded coefficient entropy (NumPy's) from the test digits' children,
+    # each weighted by its length
     layer = load_component(os.path.join(run, "models", "generative.keras")).layers[-1]
     children = generative_capsules.primary_capsules(capsnet, test)
-    coefficients = np.asarray(layer.infer(children, iterations=3).coefficients, "float64")
+    coefficients = np.asarray(layer.infer(children, np.linalg.norm(children, axis=-1), iterations=3).coefficients,
+                              "float64")
     entropy = -np.sum(coefficients * np.log(coefficients + 1e-30), -1) / np.log(4)
     # float32 EM under XLA in the run, eager here: coefficients to ~1e-6, entropies averaged over all children
     np.testing.assert_allclose(np.mean(entropy), found["coefficient_entropy_over_log_j"], atol=1e-4)

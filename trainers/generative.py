@@ -3,7 +3,23 @@
 import keras
 import tensorflow as tf
 
+from poecaps.trainers import CHILD_WEIGHTS
 from poecaps.validation import check_integer
+
+
+def check_child_weights(child_weights):
+    """`child_weights` if it names one of `CHILD_WEIGHTS`, else a ValueError."""
+    if child_weights not in CHILD_WEIGHTS:
+        raise ValueError(f"child_weights must be one of {', '.join(CHILD_WEIGHTS)}. Received: {child_weights!r}")
+    return child_weights
+
+
+def child_activations(children, child_weights):
+    """Each child's weight `a_i` `[B, I]` for `GenerativeCapsules`: None (every child alike) for "uniform",
+    the child's length `|V_i|` for "lengths" (a capsule's length is its activation)."""
+    if check_child_weights(child_weights) == "uniform":
+        return None
+    return tf.norm(children, axis=-1)
 
 
 class GenerativeCapsuleTrainer(keras.Model):
@@ -13,21 +29,25 @@ class GenerativeCapsuleTrainer(keras.Model):
     with `iterations` EM iterations, no gradient through it: the E- and
     M-steps of the parents), then takes one optimizer step on the layer's
     weights that raises the bound `layer.log_joint` at those (v, r): the M-step
-    of the parameters. Metrics: `bound_per_child` (the bound over the batch's
-    children) and `coefficient_entropy` (of r over the parents, over log J).
+    of the parameters. Both steps weigh child i by `a_i` (`child_activations`):
+    alike, or by its length. Metrics: `bound_per_child` (the bound over the
+    batch's children, weighted) and `coefficient_entropy` (of r over the
+    parents, over log J, every child alike).
 
     Args:
         layer: a `poecaps.models.GenerativeCapsules`.
         iterations: EM iterations of the inference in each training step.
+        child_weights: "uniform" or "lengths" (`CHILD_WEIGHTS`).
 
     Call arguments:
-        children: `[B, I, D_c]`; returns `layer.infer(children)`.
+        children: `[B, I, D_c]`; returns `layer.infer(children, a)`.
     """
 
-    def __init__(self, layer, iterations=10, **kwargs):
+    def __init__(self, layer, iterations=10, child_weights="uniform", **kwargs):
         super().__init__(**kwargs)
         self.layer = layer
         self.iterations = check_integer(iterations, "iterations")
+        self.child_weights = check_child_weights(child_weights)
         self.bound_tracker = keras.metrics.Mean(name="bound_per_child")
         self.entropy_tracker = keras.metrics.Mean(name="coefficient_entropy")
 
@@ -36,10 +56,10 @@ class GenerativeCapsuleTrainer(keras.Model):
         return [self.bound_tracker, self.entropy_tracker]
 
     def call(self, children, training=None):
-        return self.layer.infer(children)
+        return self.layer.infer(children, child_activations(children, self.child_weights))
 
     def _statistics(self, children, v, r):
-        bound = self.layer.log_joint(children, v, r)
+        bound = self.layer.log_joint(children, v, r, child_activations(children, self.child_weights))
         per_child = tf.reduce_mean(bound) / children.shape[1]
         entropy = -tf.reduce_mean(tf.reduce_sum(r * tf.math.log(r + 1e-30), -1)) / tf.math.log(
             tf.cast(self.layer.num_parents, r.dtype))
@@ -47,7 +67,8 @@ class GenerativeCapsuleTrainer(keras.Model):
 
     def train_step(self, data):
         children = data[0] if isinstance(data, tuple) else data
-        found = self.layer.infer(children, iterations=self.iterations)
+        found = self.layer.infer(children, child_activations(children, self.child_weights),
+                                 iterations=self.iterations)
         v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
         with tf.GradientTape() as tape:
             per_child, entropy = self._statistics(children, v, r)
@@ -60,7 +81,7 @@ class GenerativeCapsuleTrainer(keras.Model):
 
     def test_step(self, data):
         children = data[0] if isinstance(data, tuple) else data
-        found = self.layer.infer(children)
+        found = self(children)
         per_child, entropy = self._statistics(children, found.poses, found.coefficients)
         self.bound_tracker.update_state(per_child)
         self.entropy_tracker.update_state(entropy)

@@ -6,8 +6,7 @@ RUN is a CapsNet run holding a trained generative layer
 (`scripts/generative_capsules.py --run-dir RUN`, docs/generative_capsules.md).
 The layer's inference returns, per digit, the parents' poses `v [J, D]`, the
 posterior `r [I, J]` over parents of each of the I children, and the parents'
-activations, the share of children each explains, `sum_i r_ij / I` (every
-child weighted alike, as the layer's run infers). With the run's own settings
+activations, the share of children each explains. With the run's own settings
 (`RUN/generative/config.json`), the run's own compiled inversion
 (`poecaps.experiments.generative_capsules._Inversion`) and the run's probe
 (`poecaps.metrics.linear_probe`, `probe_train` training digits spread over the
@@ -17,11 +16,12 @@ with the probe's test accuracy on:
 
 - `poses`: the flattened poses (J x D numbers), the run's own probe; the
   script checks that it equals `generative.json`'s `probe_accuracy`;
-- `activations`: the J shares;
+- `activations`: the J shares `sum_i r_ij / I`, every child counted alike;
 - `poses_and_activations`: both;
 - `length_weighted_shares`: `sum_i |u_i| r_ij / sum_i |u_i|`, the same
   posterior with each child weighted by its length (its presence), computed
-  after the inference (which weighted the children alike).
+  after the inference (which weighs the children as the run's `child_weights`
+  says; with "lengths" these are the layer's own activations).
 """
 
 import argparse
@@ -69,7 +69,9 @@ def main():
     result = {"run": os.path.basename(os.path.normpath(args.run_dir)), "probe_train_images": len(few),
               "test_images": len(x_test), "reported_probe_accuracy": reported}
     for name, layer in (("learned", learned), ("random_g", initial)):
-        inversion = _Inversion(layer, settings["batch_size"], settings["iterations"])
+        # every child alike in runs from before the setting
+        inversion = _Inversion(layer, settings["batch_size"], settings["iterations"],
+                               settings.get("child_weights", "uniform"))
         train_sets = feature_sets(*inversion.outputs(x_train[few])[:2], x_train[few])
         test_sets = feature_sets(*inversion.outputs(x_test)[:2], x_test)
         result[name] = {key: metrics.linear_probe(train_sets[key], train_labels[few], test_sets[key], test_labels)
