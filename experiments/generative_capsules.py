@@ -62,7 +62,7 @@ def primary_capsules(model, images, batch_size=250):
     return np.concatenate([step(images[s:s + batch_size]).numpy() for s in range(0, len(images), batch_size)])
 
 
-class _Inversion:
+class Inversion:
     """A layer's inference over many child sets, compiled once: one XLA computation for every batch.
 
     Each child is weighed as `child_weights` says (`trainers.generative.child_activations`). The last batch
@@ -168,7 +168,7 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     initial = GenerativeCapsules.from_config(layer.get_config())        # the same layer, G kept random
     initial.build(x_train.shape)
     initial.set_weights(layer.get_weights())
-    invert, invert_initial = (_Inversion(g, batch_size, iterations, child_weights) for g in (layer, initial))
+    invert, invert_initial = (Inversion(g, batch_size, iterations, child_weights) for g in (layer, initial))
     if fresh:
         bound0, entropy0, _ = invert(x_test[pick])
         run.append_jsonl(CURVE, {"epoch": 0, "heldout_bound_per_child": bound0, "coefficient_entropy": entropy0})

@@ -8,7 +8,7 @@ The layer's inference returns, per digit, the parents' poses `v [J, D]`, the
 posterior `r [I, J]` over parents of each of the I children, and the parents'
 activations, the share of children each explains. With the run's own settings
 (`RUN/generative/config.json`), the run's own compiled inversion
-(`poecaps.experiments.generative_capsules._Inversion`) and the run's probe
+(`poecaps.experiments.generative_capsules.Inversion`) and the run's probe
 (`poecaps.metrics.linear_probe`, `probe_train` training digits spread over the
 split, the whole test split), for the learned layer and for the same layer
 with its initial random G, this writes `RUN/generative/parent_probes.json`
@@ -32,7 +32,7 @@ import keras
 import numpy as np
 
 from poecaps import metrics
-from poecaps.experiments.generative_capsules import SETTINGS, _Inversion, primary_capsules
+from poecaps.experiments.generative_capsules import SETTINGS, Inversion, primary_capsules
 from poecaps.experiments.runs import load_images, spread_indices
 from poecaps.experiments.trained import load_capsnet, load_saved
 from poecaps.models import GenerativeCapsules
@@ -70,7 +70,7 @@ def main():
               "test_images": len(x_test), "reported_probe_accuracy": reported}
     for name, layer in (("learned", learned), ("random_g", initial)):
         # every child alike in runs from before the setting
-        inversion = _Inversion(layer, settings["batch_size"], settings["iterations"],
+        inversion = Inversion(layer, settings["batch_size"], settings["iterations"],
                                settings.get("child_weights", "uniform"))
         train_sets = feature_sets(*inversion.outputs(x_train[few])[:2], x_train[few])
         test_sets = feature_sets(*inversion.outputs(x_test)[:2], x_test)
