@@ -196,7 +196,8 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     result = {
         "run": run_dir, "parents": parents, "parent_dim": parent_dim, "children": list(x_train.shape[1:]),
         "epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
-        "iterations": iterations, "child_weights": child_weights, "seed": seed, "heldout_images": len(pick), "probe_train_images": len(few),
+        "iterations": iterations, "child_weights": child_weights, "seed": seed, "heldout_images": len(pick),
+        "probe_train_images": len(few),
         "curve": record,
         "heldout_bound_per_child": {"initial": record[0]["heldout_bound_per_child"],
                                     "final": record[-1]["heldout_bound_per_child"]},
