@@ -58,8 +58,8 @@ class GenerativeCapsuleTrainer(keras.Model):
     def call(self, children, training=None):
         return self.layer.infer(children, child_activations(children, self.child_weights))
 
-    def _statistics(self, children, v, r):
-        bound = self.layer.log_joint(children, v, r, child_activations(children, self.child_weights))
+    def _statistics(self, children, a, v, r):
+        bound = self.layer.log_joint(children, v, r, a)
         per_child = tf.reduce_mean(bound) / children.shape[1]
         entropy = -tf.reduce_mean(tf.reduce_sum(r * tf.math.log(r + 1e-30), -1)) / tf.math.log(
             tf.cast(self.layer.num_parents, r.dtype))
@@ -67,11 +67,11 @@ class GenerativeCapsuleTrainer(keras.Model):
 
     def train_step(self, data):
         children = data[0] if isinstance(data, tuple) else data
-        found = self.layer.infer(children, child_activations(children, self.child_weights),
-                                 iterations=self.iterations)
+        a = child_activations(children, self.child_weights)
+        found = self.layer.infer(children, a, iterations=self.iterations)
         v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
         with tf.GradientTape() as tape:
-            per_child, entropy = self._statistics(children, v, r)
+            per_child, entropy = self._statistics(children, a, v, r)
             loss = -per_child
         weights = self.layer.trainable_weights
         self.optimizer.apply(tape.gradient(loss, weights), weights)
@@ -81,8 +81,9 @@ class GenerativeCapsuleTrainer(keras.Model):
 
     def test_step(self, data):
         children = data[0] if isinstance(data, tuple) else data
-        found = self(children)
-        per_child, entropy = self._statistics(children, found.poses, found.coefficients)
+        a = child_activations(children, self.child_weights)
+        found = self.layer.infer(children, a)
+        per_child, entropy = self._statistics(children, a, found.poses, found.coefficients)
         self.bound_tracker.update_state(per_child)
         self.entropy_tracker.update_state(entropy)
         return {m.name: m.result() for m in self.metrics}
