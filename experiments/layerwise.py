@@ -45,6 +45,7 @@ from poecaps.trainers.cd import (
 )
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.shards import default_shards
+from poecaps.validation import check_choice
 
 # Each stage's learning rate: what a NaN or an overflow asks to lower.
 RATES = {"autoencoder": "ae_learning_rate", "encoder": "cd_learning_rate", "decoder": "decoder_learning_rate",
@@ -198,12 +199,11 @@ def _train_decoder(config, run, pipeline, train, codes, heldout_images, steps, r
 
 def train_stage(stage, config, run, train, test, resume=False):
     """Train one capsule stage ("autoencoder", "encoder" or "decoder") and save it under `run/models`."""
+    check_choice(stage, "stage", STAGES[:3])
     heldout = test[:config.heldout_size]
     steps = int(np.ceil(len(train) / config.batch_size))
     if stage == "autoencoder":
         return _train_autoencoder(config, run, train, heldout, resume)
-    if stage not in ("encoder", "decoder"):
-        raise InputError(f"stage must be one of {STAGES[:3]}. Received: stage={stage!r}")
     pipeline = CapsulePipeline.load(run.models, config.capsule_dim)
     print("Computing the front end's code of the training images ...", flush=True)
     codes = batched(pipeline.autoencoder.encode, train)

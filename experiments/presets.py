@@ -17,6 +17,7 @@ import dataclasses
 
 from poecaps.experiments.configs import BaselineConfig, LayerwiseConfig
 from poecaps.experiments.settings import SettingError, with_values
+from poecaps.validation import check_choice
 
 _PRESETS = {"layerwise": {}, "baseline": {}}
 # The preset a new run of each kind starts from when none is named.
@@ -213,8 +214,7 @@ def routing_table():
 
 def get(kind, name):
     """The config of preset `name` of `kind`; an unknown name is a `SettingError` listing the known ones."""
-    if kind not in _PRESETS:
-        raise SettingError(f"kind must be one of {tuple(_PRESETS)}. Received: kind={kind!r}")
+    check_choice(kind, "kind", _PRESETS, SettingError)
     if name not in _PRESETS[kind]:
         raise SettingError(f"Unknown {kind} preset {name!r}; known: {', '.join(_PRESETS[kind])}.")
     return _PRESETS[kind][name]()

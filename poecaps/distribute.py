@@ -15,7 +15,7 @@ the small differences CD is made of).
 
 import contextlib
 
-from poecaps.errors import InputError
+from poecaps.validation import check_choice
 
 # Kept free of TensorFlow at import, so that command lines can check these names at once.
 STRATEGIES = ("default", "mirrored", "multiworker")
@@ -26,19 +26,16 @@ def get_strategy(name="default"):
     """A `tf.distribute.Strategy` by name: "default" (one device), "mirrored", "multiworker"."""
     import tensorflow as tf
 
-    if name == "default":
-        return tf.distribute.get_strategy()
+    check_choice(name, "strategy", STRATEGIES)
     if name == "mirrored":
         return tf.distribute.MirroredStrategy()
     if name == "multiworker":
         return tf.distribute.MultiWorkerMirroredStrategy()
-    raise InputError(f"strategy must be one of {STRATEGIES}. Received: strategy={name!r}")
+    return tf.distribute.get_strategy()
 
 
 def check_precision(name):
-    if name not in PRECISIONS:
-        raise InputError(f"precision must be one of {PRECISIONS}. Received: precision={name!r}")
-    return name
+    return check_choice(name, "precision", PRECISIONS)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from keras import ops
 from poecaps import energy
 from poecaps.capsules import squash, unsquash
 from poecaps.layers.capsule_dense import CapsuleDense
-from poecaps.validation import check_integer
+from poecaps.validation import check_choice, check_integer
 
 # Rules of the capsule decoder, trained on (upper, lower) pairs (`CapsuleExperts.decoder_gradients`).
 DECODER_RULES = ("section41", "delta")
@@ -141,8 +141,7 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
         `p_on [B, J]` and `code_error [B]`, each example's mean squared error
         of the predicted pre-activations `z~` against `unsquash(lower)`.
         """
-        if rule not in DECODER_RULES:
-            raise ValueError(f"rule must be one of {DECODER_RULES}. Received: rule={rule!r}")
+        check_choice(rule, "rule", DECODER_RULES)
         if not self.built:
             self.build(tuple(x.shape))
         cj, zj = self._route_j(x)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from poecaps.capsules import squash
 from poecaps.graphs import graph
+from poecaps.validation import check_choice
 
 PENALTIES = ("none", "l1", "l2")
 READINGS = ("output_only", "full")
@@ -92,10 +93,8 @@ def toy_energy(x, u, target, penalty, reading):
     `(e2^2 + P(x)) + (|e1|^2 + P(x))`, the penalty counted in both terms as
     in the authors' script. `P` is 0, `sum |x|` or `sum x^2`.
     """
-    if penalty not in PENALTIES:
-        raise ValueError(f"penalty must be one of {PENALTIES}. Received: penalty={penalty!r}")
-    if reading not in READINGS:
-        raise ValueError(f"reading must be one of {READINGS}. Received: reading={reading!r}")
+    check_choice(penalty, "penalty", PENALTIES)
+    check_choice(reading, "reading", READINGS)
     p = {"none": tf.zeros_like(x[:, 0]), "l1": tf.reduce_sum(tf.abs(x), -1),
          "l2": tf.reduce_sum(tf.square(x), -1)}[penalty]
     energy = tf.square(tf.reduce_sum(x, -1) - target) + p

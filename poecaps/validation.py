@@ -1,6 +1,7 @@
 """Checks of user-supplied arrays and sizes, each failing with one `InputError` that names the argument."""
 
 import numbers
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -20,6 +21,19 @@ def check_integer(value, name, minimum=1, allow_none=False):
         alternative = ", or None" if allow_none else ""
         raise InputError(f"{name} must be an integer >= {minimum}{alternative}. Received: {name}={value!r}")
     return int(value)
+
+
+def check_choice(value, name, choices, error=InputError):
+    """Return `value` if it equals one of `choices` (any iterable of names, a dict's keys); else raise `error`.
+
+    The message lists the choices and names the argument: "pose must be one of 'vector', 'matrix'. Received:
+    pose='tensor'". `error` is `InputError` or a subclass of it (`DataError`, `SettingError`), so every refusal is
+    a `ValueError` that the command lines print as one line. Unhashable values (lists, arrays) are refused too.
+    """
+    choices = tuple(choices)
+    if not isinstance(value, Hashable) or value not in choices:
+        raise error(f"{name} must be one of {', '.join(map(repr, choices))}. Received: {name}={value!r}")
+    return value
 
 
 def check_integers(minimum=1, **values):

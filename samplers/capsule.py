@@ -4,7 +4,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.capsules import squash
-from poecaps.validation import check_integer
+from poecaps.validation import check_choice, check_integer
 
 # Each domain's half of capsule space: the pipeline array that picks it (None: the whole space).
 DOMAINS = {"full": None, "restricted": "mean_directions", "winning": "winning_axes"}
@@ -42,8 +42,7 @@ class CapsuleSampler:
 
     def sample(self, rows=4, domain="full", batch_size=64):
         rows = check_integer(rows, "rows")
-        if domain not in DOMAINS:
-            raise ValueError(f"domain must be one of {tuple(DOMAINS)}. Received: domain={domain!r}")
+        check_choice(domain, "domain", DOMAINS)
         num_caps, dim = self.pipeline.num_upper, self.pipeline.upper_dim
         draws = np.random.default_rng(self.seed).standard_normal((rows, num_caps, dim)).astype("float32")
         if DOMAINS[domain] is not None:

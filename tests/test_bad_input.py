@@ -20,6 +20,7 @@ from poecaps.experiments.configs import (
     LayerwiseConfig,
     RunOptions,
 )
+from poecaps.experiments.settings import SettingError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import (
     AttentionPooling,
@@ -48,7 +49,7 @@ from poecaps.routing import (
 from poecaps.trainers.cd import CDTrainer, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.supervised import SupervisedTrainer
-from poecaps.validation import check_integer
+from poecaps.validation import check_choice, check_integer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,6 +192,17 @@ def test_check_integer_accepts_python_and_numpy_integers_and_refuses_the_rest():
             check_integer(value, "n")
     with pytest.raises(InputError, match=r"^n must be an integer >= 2, or None\. Received: n=1$"):
         check_integer(1, "n", minimum=2, allow_none=True)
+
+
+def test_check_choice_returns_a_known_name_and_refuses_the_rest_by_name():
+    assert check_choice("matrix", "pose", ("vector", "matrix")) == "matrix"
+    assert check_choice(np.str_("full"), "domain", {"full": None, "restricted": "x"}) == "full"     # a dict's keys
+    expected = "pose must be one of 'vector', 'matrix'. Received: pose="
+    for value in ("tensor", "Vector", "", None, 1, ["vector"], np.array(["vector"])):
+        with pytest.raises(InputError, match="^" + re.escape(expected + repr(value)) + "$"):
+            check_choice(value, "pose", ("vector", "matrix"))
+    with pytest.raises(SettingError, match="^kind must be one of 'layerwise', 'baseline'"):
+        check_choice("other", "kind", ("layerwise", "baseline"), SettingError)
 
 
 # Every size that a layer, model or routing stores, with the name its config gives it.

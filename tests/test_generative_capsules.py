@@ -306,5 +306,5 @@ def test_the_trainer_weighs_each_child_by_its_length_when_asked(rng):
         else:
             # every child counts alike: child 0's length term pulls on its maps, and its direction on the parents
             assert change[0] > 0.0 and moved > 1e-3
-    with pytest.raises(ValueError, match="child_weights must be one of uniform, lengths"):
+    with pytest.raises(ValueError, match="child_weights must be one of 'uniform', 'lengths'. Received: child_weights='length'"):
         GenerativeCapsuleTrainer(student, child_weights="length")

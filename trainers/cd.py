@@ -11,7 +11,7 @@ from poecaps.experts import DECODER_RULES, check_sparsity
 from poecaps.graphs import graph
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
-from poecaps.validation import check_array, check_integers
+from poecaps.validation import check_array, check_choice, check_integers
 
 
 def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
@@ -217,8 +217,7 @@ class DecoderTrainer(CDTrainer):
 
     def __init__(self, model, rule="section41", preprocess=None, l2=1e-4, heldout=None, seed=None, shards=1,
                  **kwargs):
-        if rule not in DECODER_RULES:
-            raise ValueError(f"rule must be one of {DECODER_RULES}. Received: rule={rule!r}")
+        check_choice(rule, "rule", DECODER_RULES)
         super().__init__(model, preprocess, l2=l2, heldout=heldout, seed=seed, shards=shards, **kwargs)
         self.rule = rule
         self.trackers = {name: keras.metrics.Mean(name=name) for name in ("code_error", "p_on", "free_energy")}

@@ -4,14 +4,12 @@ import keras
 import tensorflow as tf
 
 from poecaps.trainers import CHILD_WEIGHTS
-from poecaps.validation import check_integer
+from poecaps.validation import check_choice, check_integer
 
 
 def check_child_weights(child_weights):
-    """`child_weights` if it names one of `CHILD_WEIGHTS`, else a ValueError."""
-    if child_weights not in CHILD_WEIGHTS:
-        raise ValueError(f"child_weights must be one of {', '.join(CHILD_WEIGHTS)}. Received: {child_weights!r}")
-    return child_weights
+    """`child_weights` if it names one of `CHILD_WEIGHTS`, else an `InputError` (a `ValueError`)."""
+    return check_choice(child_weights, "child_weights", CHILD_WEIGHTS)
 
 
 def child_activations(children, child_weights):

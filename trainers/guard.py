@@ -14,10 +14,11 @@ import keras
 import numpy as np
 from keras import ops
 
-from poecaps.errors import InputError, NonFiniteError
+from poecaps.errors import NonFiniteError
 from poecaps.trainers import NAN_POLICIES
 from poecaps.trainers.checkpoints import trainer_state
 from poecaps.trainers.schedule import lowerable_rate
+from poecaps.validation import check_choice
 
 
 def _all_finite(variables):
@@ -47,8 +48,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     def __init__(self, policy="stop", log_path=None, max_reductions=10, log=print):
         super().__init__()
-        if policy not in NAN_POLICIES[:2]:
-            raise InputError(f"policy must be one of {NAN_POLICIES[:2]}. Received: policy={policy!r}")
+        check_choice(policy, "policy", NAN_POLICIES[:2])
         self.policy = policy
         self.log_path = log_path
         self.max_reductions = max_reductions

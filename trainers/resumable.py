@@ -21,6 +21,7 @@ from poecaps.errors import InputError
 from poecaps.trainers import NAN_POLICIES
 from poecaps.trainers.checkpoints import CheckpointManager
 from poecaps.trainers.guard import NonFiniteGuard
+from poecaps.validation import check_choice
 
 
 def epoch_order(seed, epoch, size):
@@ -137,8 +138,7 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     Returns:
         The merged history dict (`{metric: [per-epoch values]}`) of this call.
     """
-    if on_nan not in NAN_POLICIES:
-        raise InputError(f"on_nan must be one of {NAN_POLICIES}. Received: on_nan={on_nan!r}")
+    check_choice(on_nan, "on_nan", NAN_POLICIES)
     if verbose == "auto":
         live = getattr(sys.stdout, "isatty", lambda: False)() or "ipykernel" in sys.modules
         verbose = 1 if live or "PYCHARM_HOSTED" in os.environ else 2

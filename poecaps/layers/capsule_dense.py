@@ -5,15 +5,14 @@ from keras import ops
 
 from poecaps import routing as routing_lib
 from poecaps.constraints import IsometricPoses
-from poecaps.validation import check_integers
+from poecaps.validation import check_choice, check_integers
 
 POSES = ("vector", "matrix")
 
 
 def pose_size(capsule_dim, pose):
     """Side P of a matrix pose (`capsule_dim = P * P`); checks the pose kind."""
-    if pose not in POSES:
-        raise ValueError(f"pose must be one of {POSES}. Received: pose={pose!r}")
+    check_choice(pose, "pose", POSES)
     side = round(capsule_dim ** 0.5)
     if pose == "matrix" and side * side != capsule_dim:
         raise ValueError(

@@ -152,7 +152,7 @@ from keras import ops
 from poecaps import compositing, concrete, frames, graphs
 from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
-from poecaps.validation import check_image_batch, check_integer
+from poecaps.validation import check_choice, check_image_batch, check_integer
 
 
 def _coordinates(images):
@@ -465,8 +465,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         steps = check_integer(steps, "steps", minimum=0)
         if not 0.0 < float(learning_rate) < float("inf"):
             raise ValueError(f"learning_rate must be a finite number > 0. Received: learning_rate={learning_rate!r}")
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}. Received: optimizer={optimizer!r}")
+        check_choice(optimizer, "optimizer", OPTIMIZERS)
         images = tf.convert_to_tensor(images)
         _flag("parts_only", parts_only)
         start = self.variational_parameters(images) if parameters is None else parameters

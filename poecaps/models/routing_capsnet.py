@@ -10,7 +10,7 @@ from poecaps import routing as routing_lib
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
-from poecaps.validation import check_integer, check_integers
+from poecaps.validation import check_choice, check_integer, check_integers
 
 LOSSES = ("cross_entropy", "scaled_cross_entropy", "spread", "margin")
 # the unpadded convolutions (kernel, stride), bottom up: conv1, primary capsules, ConvCaps1, ConvCaps2
@@ -133,8 +133,7 @@ class RoutingCapsNet(keras.Model):
         routing_iterations = check_integer(routing_iterations, "routing_iterations", minimum=0)
         chunk_capsules = check_integer(chunk_capsules, "chunk_capsules", allow_none=True)
         num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
-        if loss not in LOSSES:
-            raise ValueError(f"loss must be one of {LOSSES}. Received: loss={loss!r}")
+        check_choice(loss, "loss", LOSSES)
         if not logit_scale > 0:
             raise ValueError(f"logit_scale must be positive. Received: logit_scale={logit_scale!r}")
         self.image_shape = tuple(image_shape)

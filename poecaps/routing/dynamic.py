@@ -5,6 +5,7 @@ from keras import ops
 
 from poecaps.capsules import norm, ratio, squash
 from poecaps.routing.base import Routing, RoutingResult
+from poecaps.validation import check_choice
 
 AGREEMENTS = ("dot", "cosine")
 NORMALIZATIONS = ("parents", "children")
@@ -66,12 +67,8 @@ class DynamicRouting(Routing):
 
     def __init__(self, iterations=3, agreement="dot", normalize="parents", **kwargs):
         super().__init__(iterations=iterations, **kwargs)
-        if agreement not in AGREEMENTS:
-            raise ValueError(f"agreement must be one of {AGREEMENTS}. Received: agreement={agreement!r}")
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(
-                f"normalize must be one of {NORMALIZATIONS}. Received: normalize={normalize!r}"
-            )
+        check_choice(agreement, "agreement", AGREEMENTS)
+        check_choice(normalize, "normalize", NORMALIZATIONS)
         self.agreement = agreement
         self.normalize = normalize
 

@@ -7,6 +7,7 @@ from keras import ops
 
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.routing.em_moments import activation_logits, em_by_moments
+from poecaps.validation import check_choice
 
 COST_NORMALIZATIONS = ("none", "standardize")
 IMPLEMENTATIONS = ("moments", "direct")
@@ -82,12 +83,8 @@ class EMRouting(Routing):
         if not variance_floor > 0:
             raise ValueError(
                 f"variance_floor must be positive. Received: variance_floor={variance_floor}")
-        if cost_normalization not in COST_NORMALIZATIONS:
-            raise ValueError(f"cost_normalization must be one of {COST_NORMALIZATIONS}. "
-                             f"Received: cost_normalization={cost_normalization!r}")
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}. "
-                             f"Received: implementation={implementation!r}")
+        check_choice(cost_normalization, "cost_normalization", COST_NORMALIZATIONS)
+        check_choice(implementation, "implementation", IMPLEMENTATIONS)
         self.cost_normalization = cost_normalization
         self.implementation = implementation
         self.final_lambda = final_lambda

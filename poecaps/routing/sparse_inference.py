@@ -6,6 +6,7 @@ from keras import ops
 from poecaps.capsules import norm, squash
 from poecaps.inference import descend
 from poecaps.routing.base import Routing, RoutingResult
+from poecaps.validation import check_choice
 
 NORMALIZATIONS = ("parents", "children")
 
@@ -56,8 +57,7 @@ class SparseInferenceRouting(Routing):
             raise ValueError(f"learning_rate must be positive. Received: learning_rate={learning_rate}")
         if not l1 >= 0:
             raise ValueError(f"l1 must be >= 0. Received: l1={l1}")
-        if normalize not in NORMALIZATIONS:
-            raise ValueError(f"normalize must be one of {NORMALIZATIONS}. Received: normalize={normalize!r}")
+        check_choice(normalize, "normalize", NORMALIZATIONS)
         self.learning_rate = float(learning_rate)
         self.l1 = float(l1)
         self.normalize = normalize
