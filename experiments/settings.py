@@ -14,6 +14,7 @@ import math
 import numbers
 
 from poecaps.errors import InputError
+from poecaps.validation import choice_list
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -62,7 +63,7 @@ class Spec:
         if self.kind is bool:
             text = "true or false"
         elif self.kind is str:
-            text = f"one of {', '.join(map(repr, self.choices))}" if self.choices else "a path"
+            text = f"one of {choice_list(self.choices)}" if self.choices else "a path"
         else:
             text = "an integer" if self.kind is int else "a number"
             bounds = [f">= {_number(self.minimum)}" if self.minimum is not None else None,

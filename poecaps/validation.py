@@ -32,8 +32,13 @@ def check_choice(value, name, choices, error=InputError):
     """
     choices = tuple(choices)
     if not isinstance(value, Hashable) or value not in choices:
-        raise error(f"{name} must be one of {', '.join(map(repr, choices))}. Received: {name}={value!r}")
+        raise error(f"{name} must be one of {choice_list(choices)}. Received: {name}={value!r}")
     return value
+
+
+def choice_list(choices):
+    """The choices as messages and help list them: `'vector', 'matrix'`."""
+    return ", ".join(map(repr, choices))
 
 
 def check_integers(minimum=1, **values):
