@@ -14,7 +14,7 @@ import math
 import numbers
 
 from poecaps.errors import InputError
-from poecaps.validation import choice_list
+from poecaps.validation import choice_list, number_bounds
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -66,11 +66,7 @@ class Spec:
             text = f"one of {choice_list(self.choices)}" if self.choices else "a path"
         else:
             text = "an integer" if self.kind is int else "a number"
-            bounds = [f">= {_number(self.minimum)}" if self.minimum is not None else None,
-                      f"> {_number(self.above)}" if self.above is not None else None,
-                      f"<= {_number(self.maximum)}" if self.maximum is not None else None,
-                      f"< {_number(self.below)}" if self.below is not None else None]
-            text += " " + " and ".join(b for b in bounds if b)
+            text += " " + number_bounds(self.minimum, self.maximum, self.above, self.below)
         return text + (f", or {self.none_word}" if self.optional else "")
 
     def check(self, name, value):
@@ -131,10 +127,6 @@ class Spec:
 
     def _fail(self, name, value):
         raise SettingError(f"{name} must be {self.describe()}. Received: {name}={value!r}")
-
-
-def _number(x):
-    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 def setting(default, help, kind=None, **rules):

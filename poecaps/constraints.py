@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from poecaps.validation import check_number
+
 
 @keras.saving.register_keras_serializable(package="poecaps")
 class IsometricPoses(keras.constraints.Constraint):
@@ -37,9 +39,7 @@ class IsometricPoses(keras.constraints.Constraint):
     """
 
     def __init__(self, epsilon=1e-12):
-        if not epsilon > 0:
-            raise ValueError(f"epsilon must be > 0. Received: epsilon={epsilon!r}")
-        self.epsilon = epsilon
+        self.epsilon = check_number(epsilon, "epsilon", above=0)
 
     def __call__(self, kernel):
         if len(kernel.shape) != 4:

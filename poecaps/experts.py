@@ -12,7 +12,7 @@ from keras import ops
 from poecaps import energy
 from poecaps.capsules import squash, unsquash
 from poecaps.layers.capsule_dense import CapsuleDense
-from poecaps.validation import check_choice, check_integer
+from poecaps.validation import check_choice, check_integer, check_number
 
 # Rules of the capsule decoder, trained on (upper, lower) pairs (`CapsuleExperts.decoder_gradients`).
 DECODER_RULES = ("section41", "delta")
@@ -57,13 +57,8 @@ def check_sparsity(sparsity):
         raise ValueError(f"sparsity must be (target, cost) or (target, cost, population_cost). "
                          f"Received: sparsity={sparsity!r}")
     target, cost, population_cost = (*sparsity, 0.0)[:3]
-    if not 0.0 < target < 1.0:
-        raise ValueError(f"sparsity target must be in (0, 1). Received: target={target}")
-    if cost < 0:
-        raise ValueError(f"sparsity cost must be >= 0. Received: cost={cost}")
-    if population_cost < 0:
-        raise ValueError(f"population sparsity cost must be >= 0. Received: population_cost={population_cost}")
-    return float(target), float(cost), float(population_cost)
+    return (check_number(target, "sparsity target", above=0, below=1), check_number(cost, "sparsity cost", minimum=0),
+            check_number(population_cost, "population sparsity cost", minimum=0))
 
 
 @keras.saving.register_keras_serializable(package="poecaps")

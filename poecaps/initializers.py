@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from poecaps.validation import check_number
+
 
 @keras.saving.register_keras_serializable(package="poecaps")
 class NearIdentity(keras.initializers.Initializer):
@@ -18,9 +20,7 @@ class NearIdentity(keras.initializers.Initializer):
     """
 
     def __init__(self, noise=0.1, seed=None):
-        if not noise >= 0:
-            raise ValueError(f"noise must be >= 0. Received: noise={noise}")
-        self.noise = noise
+        self.noise = check_number(noise, "noise", minimum=0)
         self.seed = seed
 
     def __call__(self, shape, dtype=None):

@@ -31,7 +31,7 @@ from scipy.special import logsumexp
 
 from poecaps.errors import InputError
 from poecaps.rbm import BernoulliRBM
-from poecaps.validation import check_array, check_integer
+from poecaps.validation import check_array, check_integer, check_number
 
 AISResult = collections.namedtuple("AISResult", "log_partition std_error log_weights log_base_partition")
 AISResult.__doc__ = """What `ais_log_partition` returns.
@@ -128,8 +128,7 @@ def base_rate_bias(v, smoothing=1.0):
     uniform one (Salakhutdinov and Murray 2008, section 4.2).
     """
     v = check_array(v, "v", low=0.0, high=1.0).reshape(len(np.asarray(v)), -1).astype(np.float64)
-    if not smoothing > 0:
-        raise InputError(f"smoothing must be > 0. Received: smoothing={smoothing!r}")
+    smoothing = check_number(smoothing, "smoothing", above=0)
     p = (v.sum(axis=0) + smoothing) / (len(v) + 2.0 * smoothing)
     return np.log(p) - np.log1p(-p)
 

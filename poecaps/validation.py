@@ -1,5 +1,6 @@
 """Checks of user-supplied arrays and sizes, each failing with one `InputError` that names the argument."""
 
+import math
 import numbers
 from collections.abc import Hashable
 
@@ -39,6 +40,40 @@ def check_choice(value, name, choices, error=InputError):
 def choice_list(choices):
     """The choices as messages and help list them: `'vector', 'matrix'`."""
     return ", ".join(map(repr, choices))
+
+
+def check_number(value, name, minimum=None, maximum=None, above=None, below=None):
+    """Return `value` as a Python `float` if it is a finite real number in range; else raise `InputError`.
+
+    `minimum` and `maximum` are inclusive bounds, `above` and `below` exclusive (None: unbounded). Python and
+    NumPy numbers pass, integers too (each comes back as `float`, so configs stay JSON-serialisable); bools,
+    strings, None, NaN and infinities do not. The message names the argument and its range: "beta must be a
+    finite number > 0. Received: beta=inf".
+    """
+    number = None
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        try:
+            number = float(value)
+        except OverflowError:       # an int beyond the largest float
+            pass
+    if (number is None or not math.isfinite(number)
+            or (minimum is not None and number < minimum) or (maximum is not None and number > maximum)
+            or (above is not None and number <= above) or (below is not None and number >= below)):
+        bounds = number_bounds(minimum, maximum, above, below)
+        raise InputError(f"{name} must be a finite number{' ' + bounds if bounds else ''}. "
+                         f"Received: {name}={value!r}")
+    return number
+
+
+def number_bounds(minimum=None, maximum=None, above=None, below=None):
+    """A number's range as messages and help write it: `>= 0 and < 1` (empty when unbounded)."""
+    bounds = ((">=", minimum), (">", above), ("<=", maximum), ("<", below))
+    return " and ".join(f"{sign} {_number(bound)}" for sign, bound in bounds if bound is not None)
+
+
+def _number(x):
+    """A bound as text: floats in their shortest form (`1e-06`, `0.5`), anything else as `str`."""
+    return f"{x:g}" if isinstance(x, float) else str(x)
 
 
 def check_integers(minimum=1, **values):

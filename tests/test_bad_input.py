@@ -13,6 +13,7 @@ import pytest
 
 from poecaps import data as data_lib
 from poecaps import routing
+from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
 from poecaps.experiments.configs import (
     BaselineConfig,
@@ -22,6 +23,7 @@ from poecaps.experiments.configs import (
 )
 from poecaps.experiments.settings import SettingError
 from poecaps.experts import CapsuleExperts
+from poecaps.initializers import NearIdentity
 from poecaps.layers import (
     AttentionPooling,
     CapsuleDense,
@@ -35,7 +37,9 @@ from poecaps.layers import (
 from poecaps.models import (
     CapsNet,
     GenerativeCapsules,
+    ProbabilisticCapsuleAutoencoder,
     ProbabilisticCapsules,
+    RoutingCapsNet,
     VariationalAutoencoder,
 )
 from poecaps.rbm import BernoulliRBM
@@ -43,13 +47,16 @@ from poecaps.routing import (
     ConnectionistRouting,
     DynamicRouting,
     EMRouting,
+    GenerativeRouting,
     SimilarityRouting,
+    SparseInferenceRouting,
     TopDownAttention,
 )
 from poecaps.trainers.cd import CDTrainer, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
+from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.supervised import SupervisedTrainer
-from poecaps.validation import check_choice, check_integer
+from poecaps.validation import check_choice, check_integer, check_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,6 +95,7 @@ LABELS = np.array([0, 1, 2, 0])
 def test_bad_training_arrays(capsnet, x, y, message):
     with pytest.raises(InputError, match=message):
         fit_resumable(capsnet, x, y, epochs=1, batch_size=2, seed=0, verbose=0)
+
 
 
 def test_bad_visible_units_for_cd():
@@ -158,7 +166,7 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: RunOptions(strategy="tpu"), r"strategy must be one of .*Received: strategy='tpu'"),
     (lambda: RunOptions(precision="float8"), r"precision must be one of .*Received: precision='float8'"),
     (lambda: RunOptions(save_every=-5), r"save_every must be an integer >= 0. Received: save_every=-5"),
-    (lambda: default_optimizer(learning_rate=0.0), r"learning_rate must be positive"),
+    (lambda: default_optimizer(learning_rate=0.0), r"learning_rate must be a finite number > 0\. Received: learning_rate=0\.0"),
     (lambda: CDTrainer(CapsuleExperts(2, 3), steps=0), r"steps must be an integer >= 1. Received: steps=0"),
 ])
 def test_bad_names_sizes_and_hyperparameters(build, message):
@@ -236,3 +244,61 @@ def test_sizes_refuse_bools_and_store_numpy_integers_as_int(make, name):
     config = make(np.int64(3)).get_config()
     assert config[name] == 3 and type(config[name]) is int
     json.dumps(config, default=lambda value: pytest.fail(f"{name}: not JSON-serialisable: {value!r}"))
+
+
+def test_check_number_returns_a_float_and_refuses_the_rest_by_name_and_range():
+    assert check_number(2, "beta", above=0) == 2.0 and type(check_number(2, "beta", above=0)) is float
+    assert type(check_number(np.float32(0.5), "p", above=0, below=1)) is float
+    assert check_number(0, "l1", minimum=0) == 0.0 and check_number(1, "p", maximum=1) == 1.0     # inclusive bounds
+    assert check_number(-3.5, "shift") == -3.5                                                    # no bounds
+    for value in (0, 0.0, -1e-300, float("nan"), np.float64("nan"), float("inf"), -float("inf"), True, "1", None,
+                  [1.0], np.array([1.0]), 1 + 0j, 10 ** 400):
+        with pytest.raises(InputError, match="^" + re.escape(f"beta must be a finite number > 0. Received: beta={value!r}") + "$"):
+            check_number(value, "beta", above=0)
+    ranges = [({"minimum": 0, "below": 1}, 1.0, ">= 0 and < 1"), ({"above": 0, "maximum": 1}, 1.5, "> 0 and <= 1"),
+              ({"above": 1e-6}, 1e-6, "> 1e-06"), ({"minimum": -2.5}, -3.0, ">= -2.5"), ({}, float("inf"), "")]
+    for bounds, value, words in ranges:
+        expected = f"p must be a finite number{' ' + words if words else ''}. Received: p={value!r}"
+        with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
+            check_number(value, "p", **bounds)
+
+
+# Every number that a layer, model, routing or trainer takes, its name and its range as the message words them.
+NUMBERS = [
+    (lambda v: TopDownAttention(beta=v), "beta", "> 0"),
+    (lambda v: EMRouting(final_lambda=v), "final_lambda", "> 0"),
+    (lambda v: EMRouting(variance_floor=v), "variance_floor", "> 0"),
+    (lambda v: SparseInferenceRouting(learning_rate=v), "learning_rate", "> 0"),
+    (lambda v: SparseInferenceRouting(l1=v), "l1", ">= 0"),
+    (lambda v: SimilarityRouting(entropy_weight=v), "entropy_weight", ">= 0"),
+    (lambda v: SimilarityRouting(prior_weight=v), "prior_weight", ">= 0"),
+    (lambda v: SimilarityRouting(num_kernels=2, length_scales=[1.0, v]), "length_scales[1]", "> 0"),
+    (lambda v: GenerativeRouting(kappa=v), "kappa", "> 0"),
+    (lambda v: GenerativeRouting(sigma=v), "sigma", "> 0"),
+    (lambda v: GenerativeCapsules(2, 4, 3, kappa=v), "kappa", "> 0"),
+    (lambda v: GenerativeCapsules(2, 4, 3, sigma=v), "sigma", "> 0"),
+    (lambda v: ProbabilisticCapsules(part_scale=v), "part_scale", "> 0"),
+    (lambda v: ProbabilisticCapsules(temperature=v), "temperature", "> 0"),
+    (lambda v: ProbabilisticCapsules(c_min=v), "c_min", "> 0"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(specialisation=v), "specialisation", ">= 0"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(sparsity_classes=v), "sparsity_classes", "> 0"),
+    (lambda v: VariationalAutoencoder(pixel_sigma=v), "pixel_sigma", "> 0"),
+    (lambda v: RoutingCapsNet((28, 28, 1), 10, routing="dynamic", logit_scale=v), "logit_scale", "> 0"),
+    (lambda v: ConvAutoencoder(dropout=v), "dropout", ">= 0 and < 1"),
+    (lambda v: NearIdentity(noise=v), "noise", ">= 0"),
+    (lambda v: IsometricPoses(epsilon=v), "epsilon", "> 0"),
+    (lambda v: ScaledSchedule(1e-3, scale=v), "scale", "> 0"),
+    (lambda v: default_optimizer(learning_rate=v), "learning_rate", "> 0"),
+    (lambda v: CDTrainer(CapsuleExperts(2, 3), l2=v), "l2", ">= 0"),
+    (lambda v: CDTrainer(CapsuleExperts(2, 3), sparsity_target=v, sparsity_cost=1.0), "sparsity target", "> 0 and < 1"),
+]
+
+
+@pytest.mark.parametrize("make, name, words", NUMBERS)
+def test_numbers_refuse_what_is_not_a_finite_number_in_range_by_name(make, name, words):
+    outside = {"> 0": 0.0, ">= 0": -0.5, "> 0 and < 1": 1.0, ">= 0 and < 1": 1.0}[words]
+    for value in (float("nan"), float("inf"), "0.5", None, True, outside):
+        expected = f"{name} must be a finite number {words}. Received: {name}={value!r}"
+        with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
+            make(value)
+    make(np.float32(0.5))      # a NumPy number in range is taken

@@ -30,7 +30,7 @@ def test_isometric_poses_is_the_polar_factor_at_the_rms_singular_value(rng):
 
 
 def test_isometric_poses_arguments_are_checked():
-    with pytest.raises(ValueError, match="epsilon must be > 0"):
+    with pytest.raises(ValueError, match=r"^epsilon must be a finite number > 0\. Received: epsilon=0\.0$"):
         IsometricPoses(epsilon=0.0)
     with pytest.raises(ValueError, match=r"kernel \[I, J, D_out, D_in\]"):
         IsometricPoses()(np.ones((3, 4), "float32"))

@@ -145,8 +145,8 @@ def test_agreeing_votes_activate_more_than_scattered_ones(rng):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"iterations": 0}, "at least one M-step"),
-    ({"final_lambda": 0.0}, "final_lambda must be positive"),
-    ({"variance_floor": -1.0}, "variance_floor must be positive"),
+    ({"final_lambda": 0.0}, r"final_lambda must be a finite number > 0\. Received: final_lambda=0\.0"),
+    ({"variance_floor": -1.0}, r"variance_floor must be a finite number > 0\. Received: variance_floor=-1\.0"),
     ({"cost_normalization": "zscore"}, "cost_normalization must be one of"),
     ({"implementation": "fast"}, "implementation must be one of"),
 ])

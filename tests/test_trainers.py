@@ -395,11 +395,11 @@ def test_each_setting_reaches_its_stages_trainer(tmp_path, rng, monkeypatch, sta
 def test_sparsity_arguments_are_checked(rng):
     layer = _experts(4, 2, 2, 3)
     x = _capsules(rng, 2, 4, 2)
-    with pytest.raises(ValueError, match="sparsity target must be in"):
+    with pytest.raises(ValueError, match=r"^sparsity target must be a finite number > 0 and < 1\. Received: sparsity target=1\.5$"):
         layer.cd_gradients(x, sparsity=(1.5, 0.1))
-    with pytest.raises(ValueError, match="sparsity cost must be >= 0"):
+    with pytest.raises(ValueError, match=r"^sparsity cost must be a finite number >= 0\. Received: sparsity cost=-1\.0$"):
         CDTrainer(layer, sparsity_cost=-1.0)
-    with pytest.raises(ValueError, match="population sparsity cost must be >= 0"):
+    with pytest.raises(ValueError, match=r"^population sparsity cost must be a finite number >= 0\."):
         CDTrainer(layer, population_sparsity_cost=-1.0)
     with pytest.raises(ValueError, match=r"sparsity must be \(target, cost\)"):
         layer.cd_gradients(x, sparsity=(0.1,))

@@ -11,7 +11,7 @@ from poecaps.experts import DECODER_RULES, check_sparsity
 from poecaps.graphs import graph
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
-from poecaps.validation import check_array, check_choice, check_integers
+from poecaps.validation import check_array, check_choice, check_integers, check_number
 
 
 def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
@@ -56,8 +56,7 @@ def sharded_cd_step(step, x, shards, chain=None, targets=None):
 
 def default_optimizer(learning_rate=0.05, decay_steps=1000, decay_rate=0.95, momentum=0.9):
     """SGD with momentum and exponential learning-rate decay (Hauser Algorithm 1)."""
-    if learning_rate <= 0:
-        raise ValueError(f"learning_rate must be positive. Received: learning_rate={learning_rate}")
+    learning_rate = check_number(learning_rate, "learning_rate", above=0)
     schedule = keras.optimizers.schedules.ExponentialDecay(learning_rate, decay_steps, decay_rate)
     # Scaled so that the NaN guard can halve it (poecaps.trainers.guard).
     return keras.optimizers.SGD(learning_rate=ScaledSchedule(schedule), momentum=momentum)
@@ -114,8 +113,7 @@ class CDTrainer(keras.Model):
         if shards > 1 and getattr(model, "draws_random_numbers", False):
             raise InputError(f"{type(model).__name__} draws random numbers from one seed generator, which "
                              f"concurrent shards would share; use shards=1. Received: shards={shards}")
-        if l2 < 0:
-            raise ValueError(f"l2 must be >= 0. Received: l2={l2}")
+        l2 = check_number(l2, "l2", minimum=0)
         if persistent and chain_shape is None:
             raise ValueError("Persistent CD needs the chains' shape. Received: chain_shape=None")
         if persistent and distribute.num_replicas() > 1:

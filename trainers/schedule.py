@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps.errors import InputError
+from poecaps.validation import check_number
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -20,12 +21,11 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(self, schedule, scale=1.0):
-        if scale <= 0:
-            raise InputError(f"scale must be positive. Received: scale={scale}")
+        scale = check_number(scale, "scale", above=0)
         if isinstance(schedule, dict):
             schedule = keras.saving.deserialize_keras_object(schedule)
         self.schedule = schedule
-        self.scale = keras.Variable(float(scale), trainable=False, dtype="float32",
+        self.scale = keras.Variable(scale, trainable=False, dtype="float32",
                                     name="learning_rate_scale")
 
     def __call__(self, step):

@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import distribute
-from poecaps.validation import check_integers
+from poecaps.validation import check_integers, check_number
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -36,12 +36,10 @@ class ConvAutoencoder(keras.layers.Layer):
                  negative_slope=0.2, seed=None, **kwargs):
         super().__init__(**kwargs)
         filters, kernel_size, strides = check_integers(filters=filters, kernel_size=kernel_size, strides=strides)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1). Received: dropout={dropout}")
         self.filters = filters
         self.kernel_size = kernel_size
         self.strides = strides
-        self.dropout = dropout
+        self.dropout = check_number(dropout, "dropout", minimum=0, below=1)
         self.negative_slope = negative_slope
         self.seed = seed
         self.seed_generator = keras.random.SeedGenerator(seed)

@@ -143,8 +143,6 @@ Returns (call): dict of the encoders' means (presences `sigmoid(l)`, poses)
 and `reconstructions`, the image rendered from the parts' means.
 """
 
-import numbers
-
 import keras
 import tensorflow as tf
 from keras import ops
@@ -152,7 +150,7 @@ from keras import ops
 from poecaps import compositing, concrete, frames, graphs
 from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
-from poecaps.validation import check_choice, check_image_batch, check_integer
+from poecaps.validation import check_choice, check_image_batch, check_integer, check_number
 
 
 def _coordinates(images):
@@ -175,14 +173,6 @@ def prior_sparsity(top_logits, classes):
     within = tf.reduce_mean(tf.square(tf.reduce_sum(t, axis=1) - num_top / classes))
     between = tf.reduce_mean(tf.square(tf.reduce_sum(t, axis=0) - batch / classes))
     return within, between
-
-
-def _weight(name, value, positive=False):
-    """`value` as a float, if it is a finite real number >= 0 (> 0 when `positive`); else a clear ValueError."""
-    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value < float("inf")
-            or not (value > 0.0 if positive else value >= 0.0)):
-        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0. Received: {name}={value!r}")
-    return float(value)
 
 
 def _flag(name, value):
@@ -264,14 +254,14 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                  detach_parts=False, equivariant_top=False, anchored_parts=False, localisation=0.0, seed=0,
                  **kwargs):
         super().__init__(**kwargs)
-        self.specialisation = _weight("specialisation", specialisation)
-        self.within_sparsity = _weight("within_sparsity", within_sparsity)
-        self.between_sparsity = _weight("between_sparsity", between_sparsity)
-        self.sparsity_classes = _weight("sparsity_classes", sparsity_classes, positive=True)
+        self.specialisation = check_number(specialisation, "specialisation", minimum=0)
+        self.within_sparsity = check_number(within_sparsity, "within_sparsity", minimum=0)
+        self.between_sparsity = check_number(between_sparsity, "between_sparsity", minimum=0)
+        self.sparsity_classes = check_number(sparsity_classes, "sparsity_classes", above=0)
         self.detach_parts = _flag("detach_parts", detach_parts)
         self.equivariant_top = _flag("equivariant_top", equivariant_top)
         self.anchored_parts = _flag("anchored_parts", anchored_parts)
-        self.localisation = _weight("localisation", localisation)
+        self.localisation = check_number(localisation, "localisation", minimum=0)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
         elif isinstance(generative, dict):
@@ -463,15 +453,14 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         `variational_parameters`).
         """
         steps = check_integer(steps, "steps", minimum=0)
-        if not 0.0 < float(learning_rate) < float("inf"):
-            raise ValueError(f"learning_rate must be a finite number > 0. Received: learning_rate={learning_rate!r}")
+        learning_rate = check_number(learning_rate, "learning_rate", above=0)
         check_choice(optimizer, "optimizer", OPTIMIZERS)
         images = tf.convert_to_tensor(images)
         _flag("parts_only", parts_only)
         start = self.variational_parameters(images) if parameters is None else parameters
         names = ["part_logits", "part_pose"] if parts_only else sorted(start)
         found = dict(zip(names, _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names,
-                                        steps, float(learning_rate), int(seed), optimizer)))
+                                        steps, learning_rate, int(seed), optimizer)))
         if parts_only:
             found["top_logits"], found["top_pose"] = self.encode_top(tf.sigmoid(found["part_logits"]),
                                                                      found["part_pose"])

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from poecaps import vmf
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_number
 
 _TINY = 1e-9
 
@@ -76,16 +76,13 @@ class GenerativeCapsules(keras.layers.Layer):
             check_integer(value, name, minimum=low) for name, value, low in (
                 ("num_parents", num_parents, 1), ("parent_dim", parent_dim, 1), ("child_dim", child_dim, 2),
                 ("em_iterations", em_iterations, 1), ("pose_steps", pose_steps, 0)))
-        for name, value in (("kappa", kappa), ("sigma", sigma)):
-            if not value > 0:
-                raise ValueError(f"{name} must be positive. Received: {name}={value}")
         self.num_parents = num_parents
         self.parent_dim = parent_dim
         self.child_dim = child_dim
         self.em_iterations = em_iterations
         self.pose_steps = pose_steps
-        self.kappa = float(kappa)
-        self.sigma = float(sigma)
+        self.kappa = check_number(kappa, "kappa", above=0)
+        self.sigma = check_number(sigma, "sigma", above=0)
         self.seed = seed
 
     def build(self, children_shape, activations_shape=None):

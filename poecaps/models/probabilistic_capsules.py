@@ -61,7 +61,7 @@ import tensorflow as tf
 
 from poecaps import compositing, concrete
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integers
+from poecaps.validation import check_integers, check_number
 
 _IDENTITY = compositing.IDENTITY
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -87,15 +87,12 @@ class ProbabilisticCapsules(keras.layers.Layer):
             raise ValueError(f"image_size must be (height, width) >= 1. Received: image_size={image_size!r}")
         num_top, num_parts, template_size = check_integers(num_top=num_top, num_parts=num_parts,
                                                            template_size=template_size)
-        for name, value in (("part_scale", part_scale), ("sigma", sigma), ("lambda_off", lambda_off),
-                            ("rho_dummy", rho_dummy), ("c_dummy", c_dummy), ("c_min", c_min),
-                            ("temperature", temperature)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0. Received: {name}={value!r}")
+        positive = lambda value, name: check_number(value, name, above=0)
         self.image_size, self.num_top, self.num_parts, self.template_size = image_size, num_top, num_parts, template_size
-        self.part_scale, self.sigma, self.lambda_off = float(part_scale), float(sigma), float(lambda_off)
-        self.rho_dummy, self.c_dummy, self.c_min = float(rho_dummy), float(c_dummy), float(c_min)
-        self.temperature, self.seed = float(temperature), int(seed)
+        self.part_scale, self.sigma = positive(part_scale, "part_scale"), positive(sigma, "sigma")
+        self.lambda_off, self.rho_dummy = positive(lambda_off, "lambda_off"), positive(rho_dummy, "rho_dummy")
+        self.c_dummy, self.c_min = positive(c_dummy, "c_dummy"), positive(c_min, "c_min")
+        self.temperature, self.seed = positive(temperature, "temperature"), int(seed)
         self.build()
 
     def build(self, input_shape=None):

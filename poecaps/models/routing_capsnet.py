@@ -10,7 +10,7 @@ from poecaps import routing as routing_lib
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
-from poecaps.validation import check_choice, check_integer, check_integers
+from poecaps.validation import check_choice, check_integer, check_integers, check_number
 
 LOSSES = ("cross_entropy", "scaled_cross_entropy", "spread", "margin")
 # the unpadded convolutions (kernel, stride), bottom up: conv1, primary capsules, ConvCaps1, ConvCaps2
@@ -134,13 +134,11 @@ class RoutingCapsNet(keras.Model):
         chunk_capsules = check_integer(chunk_capsules, "chunk_capsules", allow_none=True)
         num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
         check_choice(loss, "loss", LOSSES)
-        if not logit_scale > 0:
-            raise ValueError(f"logit_scale must be positive. Received: logit_scale={logit_scale!r}")
         self.image_shape = tuple(image_shape)
         self.num_classes = num_classes
         self.routing_iterations = routing_iterations
         self.loss = loss
-        self.logit_scale = float(logit_scale)
+        self.logit_scale = check_number(logit_scale, "logit_scale", above=0)
         self.margin_steps = margin_steps
         self.filters, self.primary_types, self.conv_types = filters, primary_types, conv_types
         self.chunk_capsules = chunk_capsules

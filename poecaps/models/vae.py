@@ -28,7 +28,7 @@ import math
 import keras
 import tensorflow as tf
 
-from poecaps.validation import check_image_batch, check_integers
+from poecaps.validation import check_image_batch, check_integers, check_number
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -42,9 +42,8 @@ class VariationalAutoencoder(keras.Model):
         super().__init__(**kwargs)
         self.image_size = tuple(int(s) for s in image_size)
         latent, hidden = check_integers(latent=latent, hidden=hidden)
-        if not pixel_sigma > 0:
-            raise ValueError(f"pixel_sigma must be > 0. Received: pixel_sigma={pixel_sigma!r}")
-        self.latent, self.hidden, self.pixel_sigma, self.seed = latent, hidden, float(pixel_sigma), int(seed)
+        pixel_sigma = check_number(pixel_sigma, "pixel_sigma", above=0)
+        self.latent, self.hidden, self.pixel_sigma, self.seed = latent, hidden, pixel_sigma, int(seed)
         init = lambda i: keras.initializers.GlorotUniform(seed=seed + i)
         pixels = self.image_size[0] * self.image_size[1]
         self.encoder = keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(hidden, "elu", kernel_initializer=init(0)),

@@ -7,7 +7,7 @@ from keras import ops
 
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.routing.em_moments import activation_logits, em_by_moments
-from poecaps.validation import check_choice
+from poecaps.validation import check_choice, check_number
 
 COST_NORMALIZATIONS = ("none", "standardize")
 IMPLEMENTATIONS = ("moments", "direct")
@@ -78,11 +78,8 @@ class EMRouting(Routing):
         super().__init__(iterations=iterations, **kwargs)
         if iterations < 1:
             raise ValueError(f"EM routing needs at least one M-step. Received: iterations={iterations}")
-        if not final_lambda > 0:
-            raise ValueError(f"final_lambda must be positive. Received: final_lambda={final_lambda}")
-        if not variance_floor > 0:
-            raise ValueError(
-                f"variance_floor must be positive. Received: variance_floor={variance_floor}")
+        final_lambda = check_number(final_lambda, "final_lambda", above=0)
+        variance_floor = check_number(variance_floor, "variance_floor", above=0)
         check_choice(cost_normalization, "cost_normalization", COST_NORMALIZATIONS)
         check_choice(implementation, "implementation", IMPLEMENTATIONS)
         self.cost_normalization = cost_normalization

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from poecaps import vmf
 from poecaps.routing.base import Routing, RoutingResult
+from poecaps.validation import check_number
 
 _TINY = 1e-9
 
@@ -73,11 +74,8 @@ class GenerativeRouting(Routing):
 
     def __init__(self, iterations=3, kappa=5.0, sigma=0.25, **kwargs):
         super().__init__(iterations=iterations, **kwargs)
-        for name, value in (("kappa", kappa), ("sigma", sigma)):
-            if not value > 0:
-                raise ValueError(f"{name} must be positive. Received: {name}={value}")
-        self.kappa = float(kappa)
-        self.sigma = float(sigma)
+        self.kappa = check_number(kappa, "kappa", above=0)
+        self.sigma = check_number(sigma, "sigma", above=0)
 
     def build(self, votes_shape, activations_shape=None):
         if votes_shape[-1] is not None and votes_shape[-1] < 2:

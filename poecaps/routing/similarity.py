@@ -6,8 +6,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_number
 
 # Frobenius-normalised votes have |V| <= 1, so vote-to-pose distances are of order 1: the
 # default length scales spread around this distance (spec: {0.25, 0.5, 1, 2} times it).
@@ -119,17 +120,14 @@ class SimilarityRouting(Routing):
         super().__init__(iterations=iterations, **kwargs)
         num_kernels = check_integer(num_kernels, "num_kernels")
         if length_scales is not None:
-            length_scales = [float(x) for x in length_scales]
-            if len(length_scales) != num_kernels or min(length_scales) <= 0:
-                raise ValueError(f"length_scales must be {num_kernels} positive widths. "
+            if len(length_scales) != num_kernels:
+                raise InputError(f"length_scales must be {num_kernels} positive widths, one per kernel. "
                                  f"Received: length_scales={length_scales}")
-        for name, value in (("entropy_weight", entropy_weight), ("prior_weight", prior_weight)):
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0. Received: {name}={value}")
+            length_scales = [check_number(x, f"length_scales[{k}]", above=0) for k, x in enumerate(length_scales)]
         self.num_kernels = num_kernels
         self.length_scales = length_scales
-        self.entropy_weight = float(entropy_weight)
-        self.prior_weight = float(prior_weight)
+        self.entropy_weight = check_number(entropy_weight, "entropy_weight", minimum=0)
+        self.prior_weight = check_number(prior_weight, "prior_weight", minimum=0)
         self.kernel_weight = None if kernel_weight is None else float(kernel_weight)
         self.activation_bias = float(activation_bias)
         self.divergence_weight = None if divergence_weight is None else float(divergence_weight)

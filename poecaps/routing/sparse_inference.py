@@ -6,7 +6,7 @@ from keras import ops
 from poecaps.capsules import norm, squash
 from poecaps.inference import descend
 from poecaps.routing.base import Routing, RoutingResult
-from poecaps.validation import check_choice
+from poecaps.validation import check_choice, check_number
 
 NORMALIZATIONS = ("parents", "children")
 
@@ -53,13 +53,9 @@ class SparseInferenceRouting(Routing):
 
     def __init__(self, iterations=500, learning_rate=0.01, l1=1.0, normalize="parents", **kwargs):
         super().__init__(iterations=iterations, **kwargs)
-        if not learning_rate > 0:
-            raise ValueError(f"learning_rate must be positive. Received: learning_rate={learning_rate}")
-        if not l1 >= 0:
-            raise ValueError(f"l1 must be >= 0. Received: l1={l1}")
+        self.learning_rate = check_number(learning_rate, "learning_rate", above=0)
+        self.l1 = check_number(l1, "l1", minimum=0)
         check_choice(normalize, "normalize", NORMALIZATIONS)
-        self.learning_rate = float(learning_rate)
-        self.l1 = float(l1)
         self.normalize = normalize
 
     @property

@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_number
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -38,10 +38,8 @@ class TopDownAttention(keras.layers.Layer):
     def __init__(self, iterations=3, beta=1.0, accumulate=False, trainable_beta=False, **kwargs):
         super().__init__(**kwargs)
         iterations = check_integer(iterations, "iterations")
-        if not beta > 0:
-            raise ValueError(f"beta must be positive. Received: beta={beta}")
         self.iterations = iterations
-        self.beta_value = float(beta)
+        self.beta_value = check_number(beta, "beta", above=0)
         self.accumulate = accumulate
         self.trainable_beta = trainable_beta
 
