@@ -97,6 +97,18 @@ def test_bad_training_arrays(capsnet, x, y, message):
         fit_resumable(capsnet, x, y, epochs=1, batch_size=2, seed=0, verbose=0)
 
 
+@pytest.mark.parametrize("counts, message", [
+    ({"epochs": 0}, "epochs must be an integer >= 1. Received: epochs=0"),
+    ({"epochs": 2.0}, "epochs must be an integer >= 1. Received: epochs=2.0"),
+    ({"batch_size": 0}, "batch_size must be an integer >= 1. Received: batch_size=0"),
+    ({"batch_size": "2"}, "batch_size must be an integer >= 1. Received: batch_size='2'"),
+    ({"save_every": -1}, "save_every must be an integer >= 0. Received: save_every=-1"),
+])
+def test_fit_resumable_refuses_bad_counts_by_name(capsnet, counts, message):
+    settings = {"epochs": 1, "batch_size": 2, **counts}
+    with pytest.raises(InputError, match="^" + re.escape(message) + "$"):
+        fit_resumable(capsnet, _images(), LABELS, seed=0, verbose=0, **settings)
+
 
 def test_bad_visible_units_for_cd():
     layer = CapsuleExperts(2, 3)

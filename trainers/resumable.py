@@ -21,7 +21,7 @@ from poecaps.errors import InputError
 from poecaps.trainers import NAN_POLICIES
 from poecaps.trainers.checkpoints import CheckpointManager
 from poecaps.trainers.guard import NonFiniteGuard
-from poecaps.validation import check_choice
+from poecaps.validation import check_choice, check_integer, check_integers
 
 
 def epoch_order(seed, epoch, size):
@@ -142,8 +142,8 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     if verbose == "auto":
         live = getattr(sys.stdout, "isatty", lambda: False)() or "ipykernel" in sys.modules
         verbose = 1 if live or "PYCHARM_HOSTED" in os.environ else 2
-    if save_every < 0:
-        raise InputError(f"save_every must be >= 0. Received: save_every={save_every}")
+    epochs, batch_size = check_integers(epochs=epochs, batch_size=batch_size)
+    save_every = check_integer(save_every, "save_every", minimum=0)
     arrays = (x,) if y is None else (x, y)
     if y is not None and len(y) != len(x):
         raise InputError(f"x and y must have as many examples. Received: {len(x)} and {len(y)}")
