@@ -14,7 +14,6 @@ def toy_routing(run_dir, steps=500, learning_rate=0.01):
     settings are checked (`configs.ToyRoutingConfig`) before anything is written.
     """
     ToyRoutingConfig(steps=steps, learning_rate=learning_rate)
-    os.makedirs(run_dir, exist_ok=True)
     finals, panels = {}, []
     for reading in inference.READINGS:
         row = []
@@ -25,6 +24,7 @@ def toy_routing(run_dir, steps=500, learning_rate=0.01):
             row.append((f"{reading.replace('_', '-')}, {penalty}",
                         {f"x{k + 1}": trajectory[:, k] for k in range(3)}))
         panels.append(row)
+    os.makedirs(run_dir, exist_ok=True)      # only once there is something to write
     figures.line_panels(panels, os.path.join(run_dir, "toy_routing.png"), ylabel="hidden state",
                         title="Kiefer et al. appendix B: hidden states from x = u = (-1, 5, 2), target 2, "
                               f"SGD {learning_rate}")
