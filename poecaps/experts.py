@@ -11,6 +11,7 @@ from keras import ops
 
 from poecaps import energy
 from poecaps.capsules import squash, unsquash
+from poecaps.errors import InputError
 from poecaps.layers.capsule_dense import CapsuleDense
 from poecaps.validation import check_choice, check_integer, check_number
 
@@ -53,8 +54,8 @@ def check_sparsity(sparsity):
     The target is a probability in (0, 1); the costs are >= 0 (a missing
     population cost is 0).
     """
-    if len(sparsity) not in (2, 3):
-        raise ValueError(f"sparsity must be (target, cost) or (target, cost, population_cost). "
+    if not isinstance(sparsity, (tuple, list)) or len(sparsity) not in (2, 3):
+        raise InputError(f"sparsity must be (target, cost) or (target, cost, population_cost). "
                          f"Received: sparsity={sparsity!r}")
     target, cost, population_cost = (*sparsity, 0.0)[:3]
     return (check_number(target, "sparsity target", above=0, below=1), check_number(cost, "sparsity cost", minimum=0),

@@ -314,3 +314,12 @@ def test_numbers_refuse_what_is_not_a_finite_number_in_range_by_name(make, name,
         with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
             make(value)
     make(np.float32(0.5))      # a NumPy number in range is taken
+
+
+@pytest.mark.parametrize("name", ["kernel_weight", "activation_bias", "divergence_weight"])
+def test_similarity_initial_weights_take_any_finite_number_and_refuse_the_rest(name):
+    for value in (float("nan"), float("-inf"), "0.5", True):
+        expected = f"{name} must be a finite number. Received: {name}={value!r}"
+        with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
+            SimilarityRouting(**{name: value})
+    assert getattr(SimilarityRouting(**{name: np.float32(-2.5)}), name) == -2.5    # any sign: a learned weight's start

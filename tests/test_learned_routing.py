@@ -198,6 +198,8 @@ def test_registered_by_name_and_validated():
         SimilarityRouting(num_kernels=0)
     with pytest.raises(ValueError, match="length_scales must be 2 positive"):
         SimilarityRouting(num_kernels=2, length_scales=[1.0])
+    with pytest.raises(ValueError, match="length_scales must be 2 positive.*Received: length_scales=1.0$"):
+        SimilarityRouting(num_kernels=2, length_scales=1.0)     # one number, not one per kernel
     with pytest.raises(ValueError, match="Received: entropy_weight=-1"):
         SimilarityRouting(entropy_weight=-1)
     with pytest.raises(ValueError, match="Received: units=0"):

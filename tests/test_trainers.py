@@ -401,8 +401,10 @@ def test_sparsity_arguments_are_checked(rng):
         CDTrainer(layer, sparsity_cost=-1.0)
     with pytest.raises(ValueError, match=r"^population sparsity cost must be a finite number >= 0\."):
         CDTrainer(layer, population_sparsity_cost=-1.0)
-    with pytest.raises(ValueError, match=r"sparsity must be \(target, cost\)"):
+    with pytest.raises(InputError, match=r"sparsity must be \(target, cost\)"):
         layer.cd_gradients(x, sparsity=(0.1,))
+    with pytest.raises(InputError, match=r"sparsity must be \(target, cost\).*Received: sparsity=0\.1$"):
+        layer.cd_gradients(x, sparsity=0.1)      # a bare number, not a pair
 
 
 @pytest.mark.parametrize("reads_length", [False, True])

@@ -120,7 +120,8 @@ class SimilarityRouting(Routing):
         super().__init__(iterations=iterations, **kwargs)
         num_kernels = check_integer(num_kernels, "num_kernels")
         if length_scales is not None:
-            if len(length_scales) != num_kernels:
+            if isinstance(length_scales, (str, bytes)) or not hasattr(length_scales, "__len__") \
+                    or len(length_scales) != num_kernels:
                 raise InputError(f"length_scales must be {num_kernels} positive widths, one per kernel. "
                                  f"Received: length_scales={length_scales}")
             length_scales = [check_number(x, f"length_scales[{k}]", above=0) for k, x in enumerate(length_scales)]
@@ -128,9 +129,11 @@ class SimilarityRouting(Routing):
         self.length_scales = length_scales
         self.entropy_weight = check_number(entropy_weight, "entropy_weight", minimum=0)
         self.prior_weight = check_number(prior_weight, "prior_weight", minimum=0)
-        self.kernel_weight = None if kernel_weight is None else float(kernel_weight)
-        self.activation_bias = float(activation_bias)
-        self.divergence_weight = None if divergence_weight is None else float(divergence_weight)
+        # initial values of learned weights: any finite number (None draws N(0, 0.1) per parent type)
+        self.kernel_weight = None if kernel_weight is None else check_number(kernel_weight, "kernel_weight")
+        self.activation_bias = check_number(activation_bias, "activation_bias")
+        self.divergence_weight = (None if divergence_weight is None
+                                  else check_number(divergence_weight, "divergence_weight"))
         self.seed = seed
 
     def build(self, votes_shape, activations_shape=None):
