@@ -59,13 +59,14 @@ class Spec:
             raise TypeError("a text setting needs choices (or optional=True for a free path)")
 
     def describe(self):
-        """What the setting accepts, in words: 'an integer >= 1', 'one of ...', 'true or false'."""
+        """What the setting accepts, in words, as the library's checks word it: 'an integer >= 1',
+        'a finite number > 0', 'one of ...', 'true or false'."""
         if self.kind is bool:
             text = "true or false"
         elif self.kind is str:
             text = f"one of {choice_list(self.choices)}" if self.choices else "a path"
         else:
-            text = "an integer" if self.kind is int else "a number"
+            text = "an integer" if self.kind is int else "a finite number"
             text += " " + number_bounds(self.minimum, self.maximum, self.above, self.below)
         return text + (f", or {self.none_word}" if self.optional else "")
 

@@ -55,9 +55,9 @@ def test_the_research_programs_check_their_settings_before_any_work(tmp_path):
     refusals = [
         (lambda: api.probabilistic_capsules(str(run), data_dir="d", epochs=0), "epochs must be an integer >= 1"),
         (lambda: api.probabilistic_capsules(str(run), data_dir="d", tto_learning_rate=0.0),
-         "tto_learning_rate must be a number > 0"),
+         "tto_learning_rate must be a finite number > 0"),
         (lambda: api.probabilistic_capsules(str(run), data_dir="d", within_sparsity=float("inf")),
-         "within_sparsity must be a number >= 0"),
+         "within_sparsity must be a finite number >= 0"),
         # a field of neither config, with the close one named
         (lambda: api.probabilistic_capsules(str(run), data_dir="d", tto_step=3),
          ("Neither ProbabilisticTrainConfig nor ProbabilisticEvaluationConfig has a setting 'tto_step'. Did you "
@@ -67,9 +67,9 @@ def test_the_research_programs_check_their_settings_before_any_work(tmp_path):
         (lambda: api.probabilistic_capsules(str(run), evaluate_only=True, resume=True), "it takes no resume"),
         (lambda: api.generative_capsules(str(run), parent_dim=0), "parent_dim must be an integer >= 1"),
         (lambda: api.generative_capsules(str(run), parent=3), "Did you mean parents"),
-        (lambda: api.sparse_inference(str(run), l1=-0.5), "l1 must be a number >= 0"),
+        (lambda: api.sparse_inference(str(run), l1=-0.5), "l1 must be a finite number >= 0"),
         (lambda: api.sparse_inference(str(run), steps=2.5), "steps must be an integer >= 1"),
-        (lambda: api.toy_routing(str(run), learning_rate=-1), "learning_rate must be a number > 0"),
+        (lambda: api.toy_routing(str(run), learning_rate=-1), "learning_rate must be a finite number > 0"),
         (lambda: api.toy_routing(str(run), step=3), "ToyRoutingConfig has no setting 'step'. Did you mean steps"),
     ]
     for call, message in refusals:

@@ -156,20 +156,20 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: EMRouting(iterations=0), r"iterations"),
     (lambda: LayerwiseConfig(capsule_dim=7), r"capsule_dim must divide filters.*capsule_dim=7, filters=128"),
     (lambda: PrimaryCapsules(capsule_dim=0), r"capsule_dim"),
-    (lambda: LayerwiseConfig(cd_learning_rate=-0.1), r"cd_learning_rate must be a number > 0. Received: cd_learning_rate=-0.1"),
+    (lambda: LayerwiseConfig(cd_learning_rate=-0.1), r"cd_learning_rate must be a finite number > 0. Received: cd_learning_rate=-0.1"),
     (lambda: LayerwiseConfig(cd_shards=2, jit_cd=False), r"cd_shards above 1 needs jit_cd.*cd_shards=2, jit_cd=False"),
     (lambda: LayerwiseConfig(cd_shards=0), r"cd_shards must be an integer >= 1, or none. Received: cd_shards=0"),
-    (lambda: LayerwiseConfig(init_stddev=0.0), r"init_stddev must be a number > 0. Received: init_stddev=0.0"),
-    (lambda: LayerwiseConfig(sparsity_target=1.5), r"sparsity_target must be a number > 0 and < 1. Received: sparsity_target=1.5"),
+    (lambda: LayerwiseConfig(init_stddev=0.0), r"init_stddev must be a finite number > 0. Received: init_stddev=0.0"),
+    (lambda: LayerwiseConfig(sparsity_target=1.5), r"sparsity_target must be a finite number > 0 and < 1. Received: sparsity_target=1.5"),
     (lambda: LayerwiseConfig(population_sparsity_cost=-1.0), r"population_sparsity_cost=-1.0"),
-    (lambda: LayerwiseConfig(decoder_l2=-1.0), r"decoder_l2 must be a number >= 0, or none. Received: decoder_l2=-1.0"),
+    (lambda: LayerwiseConfig(decoder_l2=-1.0), r"decoder_l2 must be a finite number >= 0, or none. Received: decoder_l2=-1.0"),
     (lambda: LayerwiseConfig(decoder_rule="mirror"), r"decoder_rule must be one of 'section41', 'delta'. Received: decoder_rule='mirror'"),
     (lambda: LayerwiseConfig(decoder_input="top2"), r"decoder_input must be one of 'all', 'longest'. Received: decoder_input='top2'"),
     (lambda: LayerwiseConfig(num_capsules=2.5), r"num_capsules must be an integer >= 1. Received: num_capsules=2.5"),
     (lambda: LayerwiseConfig(center_code="yes"), r"center_code must be true or false. Received: center_code='yes'"),
     (lambda: EvaluationConfig(draws=0), r"draws must be an integer >= 1. Received: draws=0"),
     (lambda: EvaluationConfig(rows=0), r"rows must be an integer >= 1. Received: rows=0"),
-    (lambda: BaselineConfig(learning_rate=-1.0), r"learning_rate must be a number > 0. Received: learning_rate=-1.0"),
+    (lambda: BaselineConfig(learning_rate=-1.0), r"learning_rate must be a finite number > 0. Received: learning_rate=-1.0"),
     (lambda: BaselineConfig(model="em", routing_iterations=0), r"EM routing needs routing_iterations >= 1"),
     (lambda: BaselineConfig(epochs=0), r"epochs must be an integer >= 1. Received: epochs=0"),
     (lambda: BaselineConfig(model="capsnet", shards=2), r"shards above 1 needs XLA.*shards=2"),
@@ -198,7 +198,7 @@ def test_bad_input_in_a_script_is_one_line_without_a_stack_trace(tmp_path):
         [sys.executable, "scripts/baseline.py", "--set", "learning_rate=-1", "--run-dir", str(tmp_path)],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert "error: learning_rate must be a number > 0. Received: learning_rate=-1.0" in result.stderr
+    assert "error: learning_rate must be a finite number > 0. Received: learning_rate=-1.0" in result.stderr
     assert "Traceback" not in result.stderr
 
 

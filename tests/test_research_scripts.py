@@ -54,7 +54,7 @@ def test_generative_capsules_and_sparse_inference_check_their_settings():
         assert f"{flag[2:].replace('-', '_')} must be an integer >= 1" in stderr
     for flag, value, message in (("--examples", "0", "examples must be an integer >= 1"),
                                  ("--steps", "x", "steps must be an integer >= 1"),
-                                 ("--l1", "-1", "l1 must be a number >= 0, or auto"),
+                                 ("--l1", "-1", "l1 must be a finite number >= 0, or auto"),
                                  ("--set", "shown=0", "shown must be an integer >= 1")):
         assert message in _one_error_line(_run("sparse_inference.py", "--run-dir", "r", flag, value))
     assert "iterations must be an integer >= 1" in _one_error_line(
@@ -67,14 +67,14 @@ def test_probabilistic_capsules_checks_its_flags_and_runs(tmp_path):
     for flag in ("--epochs", "--batch-size", "--canvas"):
         assert f"{flag[2:].replace('-', '_')} must be an integer >= 1" in _one_error_line(
             _run(script, "--data-dir", "d", flag, "0"))
-    assert "learning_rate must be a number > 0" in _one_error_line(
+    assert "learning_rate must be a finite number > 0" in _one_error_line(
         _run(script, "--data-dir", "d", "--learning-rate", "0"))
     assert "tto_steps must be an integer >= 0" in _one_error_line(_run(script, "--data-dir", "d", "--tto-steps", "-1"))
     # every other setting through --set, read by the same declarations
-    assert "specialisation must be a number >= 0" in _one_error_line(
+    assert "specialisation must be a finite number >= 0" in _one_error_line(
         _run(script, "--data-dir", "d", "--set", "specialisation=-1"))
     for name, value in (("between", "-1"), ("within", "nan"), ("between", "inf")):
-        assert f"{name}_sparsity must be a number >= 0" in _one_error_line(
+        assert f"{name}_sparsity must be a finite number >= 0" in _one_error_line(
             _run(script, "--data-dir", "d", "--set", f"{name}_sparsity={value}"))
     assert "Did you mean tto_steps" in _one_error_line(_run(script, "--data-dir", "d", "--set", "tto_step=3"))
     assert "--set takes FIELD=VALUE" in _one_error_line(_run(script, "--data-dir", "d", "--set", "epochs"))

@@ -63,7 +63,7 @@ def test_numpy_numbers_are_taken_as_python_numbers_and_the_config_stays_json():
     json.dumps(dataclasses.asdict(config))
     for values, message in (({"num_capsules": np.float64(12.0)}, "num_capsules must be an integer >= 1"),
                             ({"num_capsules": np.bool_(True)}, "num_capsules must be an integer >= 1"),
-                            ({"dropout": np.float32("nan")}, "dropout must be a number >= 0 and < 1")):
+                            ({"dropout": np.float32("nan")}, "dropout must be a finite number >= 0 and < 1")):
         with pytest.raises(SettingError, match=message):
             LayerwiseConfig(**values)
 
@@ -71,8 +71,8 @@ def test_numpy_numbers_are_taken_as_python_numbers_and_the_config_stays_json():
 @pytest.mark.parametrize("values, message", [
     ({"num_capsules": "0"}, "num_capsules must be an integer >= 1. Received: num_capsules=0"),
     ({"num_capsules": "2.5"}, "num_capsules must be an integer >= 1. Received: num_capsules='2.5'"),
-    ({"dropout": "1"}, "dropout must be a number >= 0 and < 1. Received: dropout=1.0"),
-    ({"dropout": "nan"}, "dropout must be a number >= 0 and < 1. Received: dropout=nan"),
+    ({"dropout": "1"}, "dropout must be a finite number >= 0 and < 1. Received: dropout=1.0"),
+    ({"dropout": "nan"}, "dropout must be a finite number >= 0 and < 1. Received: dropout=nan"),
     ({"center_code": "maybe"}, "center_code must be true or false. Received: center_code='maybe'"),
     ({"decoder_rule": ""}, "decoder_rule must be one of 'section41', 'delta'. Received: decoder_rule=''"),
     ({"limit": "none"}, None),
@@ -92,9 +92,9 @@ def test_a_none_word_stands_for_none_in_python_and_on_the_command_line():
     for value in ("auto", "none", " AUTO ", None):
         assert spec.parse("w", value) is None
     assert spec.check("w", "auto") is None and spec.check("w", 0.5) == 0.5
-    with pytest.raises(SettingError, match="w must be a number >= 0, or auto. Received: w='x'"):
+    with pytest.raises(SettingError, match="w must be a finite number >= 0, or auto. Received: w='x'"):
         spec.parse("w", "x")
-    with pytest.raises(SettingError, match="w must be a number >= 0. Received: w='auto'"):
+    with pytest.raises(SettingError, match="w must be a finite number >= 0. Received: w='auto'"):
         Spec(float, "a weight", minimum=0.0).check("w", "auto")         # not optional: the word is text
     assert Spec(str, "a folder", optional=True).check("d", "none") == "none"  # in Python a path is a path
 
