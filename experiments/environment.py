@@ -4,8 +4,8 @@ A seeded run repeats bit for bit on one machine, but another CPU's
 kernels (oneDNN picks them by instruction set) or another TensorFlow sum
 in another order, and a job of many steps carries those differences
 forward. `describe()` records what decides that order, so that two runs
-that disagree can be told apart: the library versions, the CPU and the
-instruction sets its kernels may use, the CPUs this process may use
+that disagree can be told apart: the library versions, the CPU (its
+name, vendor, family and model) and the instruction sets its kernels may use, the CPUs this process may use
 (`taskset` narrows them), the thread pools, the devices and
 the environment variables that switch kernels or compilers.
 """
@@ -23,21 +23,32 @@ _ENVIRONMENT = ("TF_ENABLE_ONEDNN_OPTS", "TF_XLA_FLAGS", "TF_DETERMINISTIC_OPS",
                 "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED")
 
 
-def _cpu():
-    """`(model name, sorted kernel-relevant flags)` from /proc/cpuinfo, or the platform's answer elsewhere."""
-    model, flags = platform.processor() or platform.machine(), set()
+def _cpu(path="/proc/cpuinfo"):
+    """`(model name, identity, sorted kernel-relevant flags)` from `path`, or the platform's answer elsewhere.
+
+    The identity, "AuthenticAMD family 26 model 2 stepping 1", tells apart CPUs that a virtual machine
+    names alike ("AMD EPYC") and whose flags agree, but whose BLAS picks other kernels; None if unknown.
+    """
+    model, flags, fields = platform.processor() or platform.machine(), set(), {}
     try:
-        with open("/proc/cpuinfo") as handle:
+        with open(path) as handle:
             for line in handle:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    model = value.strip()
-                elif key.strip() == "flags":            # the first processor's block ends here
+                key, value = key.strip(), value.strip()
+                if key == "model name" and value:
+                    model = value
+                elif key in ("vendor_id", "cpu family", "model", "stepping"):
+                    fields[key] = value
+                elif key == "flags":            # the first processor's block ends here
                     flags = set(value.split())
                     break
     except OSError:
         pass
-    return model, sorted(flags.intersection(_CPU_FLAGS))
+    parts = [fields.get("vendor_id")] + [f"{word} {fields[key]}" for key, word in
+                                         (("cpu family", "family"), ("model", "model"), ("stepping", "stepping"))
+                                         if key in fields]
+    identity = " ".join(filter(None, parts)) if "cpu family" in fields else None
+    return model, identity, sorted(flags.intersection(_CPU_FLAGS))
 
 
 def _git_commit(package):
@@ -69,7 +80,7 @@ def describe(action):
 
     import poecaps
 
-    model, flags = _cpu()
+    model, identity, flags = _cpu()
     return {
         "action": action,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -82,6 +93,7 @@ def describe(action):
         "numpy": np.__version__,
         "platform": platform.platform(),
         "cpu": model,
+        "cpu_id": identity,
         "cpu_flags": flags,
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

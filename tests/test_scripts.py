@@ -158,6 +158,7 @@ def _check_environment(run, actions, scripts):
                                                                             np.__version__)
         assert record["logical_cpus"] == os.cpu_count() and 1 <= record["usable_cpus"] <= os.cpu_count()
         assert "/physical_device:CPU:0" in record["devices"]
+        assert "cpu_id" in record          # the CPU's identity, or None where the system does not tell it
 
 
 def _draws(seed, rows, capsules, dim):
