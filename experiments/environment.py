@@ -5,9 +5,10 @@ kernels (oneDNN picks them by instruction set) or another TensorFlow sum
 in another order, and a job of many steps carries those differences
 forward. `describe()` records what decides that order, so that two runs
 that disagree can be told apart: the library versions, the CPU (its
-name, vendor, family and model) and the instruction sets its kernels may use, the CPUs this process may use
-(`taskset` narrows them), the thread pools, the devices and
-the environment variables that switch kernels or compilers.
+name, vendor, family and model) and the instruction sets its kernels
+may use, the CPUs this process may use (`taskset` narrows them), the
+thread pools, the devices and the environment variables that switch
+kernels or compilers.
 """
 
 import datetime
