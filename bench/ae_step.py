@@ -15,7 +15,13 @@ import argparse
 
 import keras
 import numpy as np
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, require_same_function
+from common import (
+    best_seconds,
+    cpu_allocator,
+    dense_matmul_flops_per_s,
+    machine,
+    require_same_function,
+)
 
 from poecaps.layers import ConvAutoencoder
 from poecaps.trainers.autoencoder import AutoencoderTrainer
@@ -102,6 +108,7 @@ def main():
                                repeats=args.repeats)
     print(f"reference (stock Keras layers): {ref_seconds * 1e3:7.1f} ms/step  "
           f"{args.batch / ref_seconds:6.1f} images/s")
+    print(f"machine: {machine()}")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; convolutions: {flops / 1e9:.1f} GFLOP/step; "
           f"CPU allocator: {cpu_allocator()}")
     print(f"RESULT images_per_s={args.batch / seconds:.1f} vs_reference={ref_seconds / seconds:.2f} "

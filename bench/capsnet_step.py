@@ -17,7 +17,13 @@ import argparse
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, require_same_function
+from common import (
+    best_seconds,
+    cpu_allocator,
+    dense_matmul_flops_per_s,
+    machine,
+    require_same_function,
+)
 
 from poecaps import distribute, losses
 from poecaps.capsules import squash
@@ -146,6 +152,7 @@ def main():
 
     reference = best_seconds(lambda: float(ref_step(images, labels)), warmup=2, repeats=args.repeats)
     print(f"reference (tiled votes): {reference * 1e3:7.1f} ms/step  {args.batch / reference:6.1f} images/s")
+    print(f"machine: {machine()}")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.1f} GFLOP/step; "
           f"CPU allocator: {cpu_allocator()}")
     print(f"RESULT images_per_s={args.batch / seconds:.1f} vs_reference={reference / seconds:.2f} "

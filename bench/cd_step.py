@@ -18,7 +18,7 @@ import argparse
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s
+from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, machine
 
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
@@ -103,6 +103,7 @@ def main():
             raise SystemExit("the reference computes another statistic than poecaps; its timing compares nothing")
         reference = best_seconds(lambda: ref(x).numpy(), warmup=1, repeats=2)
         print(f"reference (tiled, no XLA): {reference * 1e3:7.1f} ms/step  {b / reference:7.0f} images/s")
+    print(f"machine: {machine()}")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step; "
           f"CPU allocator: {cpu_allocator()}")
     print(f"RESULT images_per_s={b / seconds:.0f} vs_reference={reference / seconds:.2f} "

@@ -28,7 +28,13 @@ import math
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, require_same_function
+from common import (
+    best_seconds,
+    cpu_allocator,
+    dense_matmul_flops_per_s,
+    machine,
+    require_same_function,
+)
 
 from poecaps import losses
 from poecaps.layers.conv_capsules import capsule_patches
@@ -222,6 +228,7 @@ def main():
     reference = best_seconds(lambda: float(ref_step(images, labels)), warmup=1, repeats=args.repeats)
     print(f"reference (tiled votes, no XLA): {reference * 1e3:7.1f} ms/step  "
           f"{args.batch / reference:6.1f} images/s")
+    print(f"machine: {machine()}")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; algorithm: {flops / 1e9:.2f} GFLOP/step; "
           f"CPU allocator: {cpu_allocator()}")
     print(f"best: jit_compile={best[0]} shards={best[1]}")

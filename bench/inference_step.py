@@ -24,7 +24,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from common import dense_matmul_flops_per_s
+from common import dense_matmul_flops_per_s, machine
 
 from poecaps import data, inference
 from poecaps.capsules import squash
@@ -84,6 +84,7 @@ def main():
     print(f"poecaps (one tf.while_loop): {seconds:7.2f} s for {args.steps} steps of {args.batch} digits")
     print(f"reference (eager Python loop, votes formed): {reference:7.2f} s")
     print(f"largest difference of the final class lengths: {np.abs(lengths - reference_lengths).max():.2e}")
+    print(f"machine: {machine()}")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s")
     print(f"RESULT images_per_s={args.batch / seconds:.1f} vs_reference={reference / seconds:.2f} "
           f"matmul_fraction={flops / seconds / matmul:.3f}")

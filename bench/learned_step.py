@@ -27,7 +27,13 @@ import itertools
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, require_same_function
+from common import (
+    best_seconds,
+    cpu_allocator,
+    dense_matmul_flops_per_s,
+    machine,
+    require_same_function,
+)
 
 from poecaps import losses
 from poecaps.models import RoutingCapsNet
@@ -251,6 +257,7 @@ def main():
     images = rng.uniform(size=(args.batch, 28, 28, 1)).astype("float32")
     labels = rng.integers(0, 10, size=args.batch)
     matmul = dense_matmul_flops_per_s()
+    print(f"machine: {machine()}")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; CPU allocator: {cpu_allocator()}")
     for router in args.router or ["similarity", "connectionist"]:
         keras.utils.set_random_seed(args.seed)

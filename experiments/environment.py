@@ -24,7 +24,7 @@ _ENVIRONMENT = ("TF_ENABLE_ONEDNN_OPTS", "TF_XLA_FLAGS", "TF_DETERMINISTIC_OPS",
                 "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED")
 
 
-def _cpu(path="/proc/cpuinfo"):
+def cpu(path="/proc/cpuinfo"):
     """`(model name, identity, sorted kernel-relevant flags)` from `path`, or the platform's answer elsewhere.
 
     The identity, "AuthenticAMD family 26 model 2 stepping 1", tells apart CPUs that a virtual machine
@@ -81,7 +81,7 @@ def describe(action):
 
     import poecaps
 
-    model, identity, flags = _cpu()
+    model, identity, flags = cpu()
     return {
         "action": action,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

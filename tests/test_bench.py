@@ -48,6 +48,8 @@ def test_benchmark_ends_on_its_result_line(script):
     assert match, last
     images_per_s, vs_reference, matmul_fraction = map(float, match.groups())
     assert all(math.isfinite(x) and x > 0 for x in (images_per_s, vs_reference, matmul_fraction)), last
+    machine = [line for line in result.stdout.splitlines() if line.startswith("machine: ")]
+    assert len(machine) == 1 and "usable CPUs" in machine[0], result.stdout[-2000:]   # what the ratio was measured on
 
 
 def _bench_module(name, monkeypatch):

@@ -193,16 +193,16 @@ def test_a_run_names_the_poecaps_checkout_it_ran_from_and_no_other_repository(tm
 
 
 def test_a_run_records_the_cpus_identity_from_cpuinfo(tmp_path):
-    """`environment._cpu` reads the first processor's block: its name, its vendor, family, model and stepping,
+    """`environment.cpu` reads the first processor's block: its name, its vendor, family, model and stepping,
     and the kernel-relevant flags only; a missing file leaves the identity unknown."""
-    from poecaps.experiments.environment import _cpu
+    from poecaps.experiments.environment import cpu
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
                        "model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx_vnni\n\n"
                        "processor\t: 1\nvendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: fpu amx_tile\n")
-    assert _cpu(str(cpuinfo)) == ("AMD EPYC", "AuthenticAMD family 26 model 2 stepping 1",
+    assert cpu(str(cpuinfo)) == ("AMD EPYC", "AuthenticAMD family 26 model 2 stepping 1",
                                   ["avx", "avx2", "avx512f", "avx_vnni", "fma"])
     cpuinfo.write_text("model name\t: Some CPU\nflags\t\t: avx\n")          # no family: no identity
-    assert _cpu(str(cpuinfo)) == ("Some CPU", None, ["avx"])
-    assert _cpu(str(tmp_path / "missing"))[1:] == (None, [])
+    assert cpu(str(cpuinfo)) == ("Some CPU", None, ["avx"])
+    assert cpu(str(tmp_path / "missing"))[1:] == (None, [])
