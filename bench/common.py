@@ -30,11 +30,11 @@ def dense_matmul_flops_per_s(n=2048):
 def machine():
     """This machine in one line, as a run's `environment.jsonl` records it: CPU name, identity, the instruction
     sets that pick kernels, and the CPUs this process may use (ratios to a reference move with the machine)."""
-    from poecaps.experiments.environment import cpu
+    from poecaps.experiments.environment import cpu, usable_cpus
 
     name, identity, flags = cpu()
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{name} ({identity or 'identity unknown'}; {' '.join(flags) or 'no listed flags'}), {usable} usable CPUs"
+    return (f"{name} ({identity or 'identity unknown'}; {' '.join(flags) or 'no listed flags'}), "
+            f"{usable_cpus()} usable CPUs")
 
 
 def cpu_allocator():

@@ -45,11 +45,16 @@ def cpu(path="/proc/cpuinfo"):
                     break
     except OSError:
         pass
-    parts = [fields.get("vendor_id")] + [f"{word} {fields[key]}" for key, word in
-                                         (("cpu family", "family"), ("model", "model"), ("stepping", "stepping"))
-                                         if key in fields]
-    identity = " ".join(filter(None, parts)) if "cpu family" in fields else None
+    identity = None
+    if "cpu family" in fields:
+        words = {"vendor_id": "", "cpu family": "family ", "model": "model ", "stepping": "stepping "}
+        identity = " ".join(words[key] + fields[key] for key in words if key in fields)
     return model, identity, sorted(flags.intersection(_CPU_FLAGS))
+
+
+def usable_cpus():
+    """How many CPUs this process may run on (`taskset` narrows them); all of them where the system cannot tell."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _git_commit(package):
@@ -97,7 +102,7 @@ def describe(action):
         "cpu_id": identity,
         "cpu_flags": flags,
         "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "usable_cpus": usable_cpus(),
         "threads": {"intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
                     "inter_op": tf.config.threading.get_inter_op_parallelism_threads()},
         "devices": [device.name for device in tf.config.list_physical_devices()],
