@@ -97,7 +97,10 @@ class Spec:
                 self._fail(name, value)
             value = int(value)
         if self.kind is float:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:           # an int beyond the largest float
+                self._fail(name, value)
             if not math.isfinite(value):
                 self._fail(name, value)
         if ((self.minimum is not None and value < self.minimum)

@@ -63,7 +63,8 @@ def test_numpy_numbers_are_taken_as_python_numbers_and_the_config_stays_json():
     json.dumps(dataclasses.asdict(config))
     for values, message in (({"num_capsules": np.float64(12.0)}, "num_capsules must be an integer >= 1"),
                             ({"num_capsules": np.bool_(True)}, "num_capsules must be an integer >= 1"),
-                            ({"dropout": np.float32("nan")}, "dropout must be a finite number >= 0 and < 1")):
+                            ({"dropout": np.float32("nan")}, "dropout must be a finite number >= 0 and < 1"),
+                            ({"cd_learning_rate": 10**400}, "cd_learning_rate must be a finite number > 0")):
         with pytest.raises(SettingError, match=message):
             LayerwiseConfig(**values)
 
