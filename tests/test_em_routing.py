@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras import ops
 
 from poecaps import routing
+from poecaps.errors import InputError
 from poecaps.routing import EMRouting
 
 
@@ -151,7 +152,7 @@ def test_agreeing_votes_activate_more_than_scattered_ones(rng):
     ({"implementation": "fast"}, "implementation must be one of"),
 ])
 def test_invalid_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):      # a ValueError that the command lines print as one line
         EMRouting(**kwargs)
 
 

@@ -5,6 +5,7 @@ import math
 import keras
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.routing.em_moments import activation_logits, em_by_moments
 from poecaps.validation import check_choice, check_number
@@ -77,7 +78,7 @@ class EMRouting(Routing):
                  cost_normalization="none", implementation="moments", **kwargs):
         super().__init__(iterations=iterations, **kwargs)
         if iterations < 1:
-            raise ValueError(f"EM routing needs at least one M-step. Received: iterations={iterations}")
+            raise InputError(f"EM routing needs at least one M-step. Received: iterations={iterations}")
         final_lambda = check_number(final_lambda, "final_lambda", above=0)
         variance_floor = check_number(variance_floor, "variance_floor", above=0)
         check_choice(cost_normalization, "cost_normalization", COST_NORMALIZATIONS)
