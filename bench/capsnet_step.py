@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from common import (
+    adam_step,
     best_seconds,
     cpu_allocator,
     dense_matmul_flops_per_s,
@@ -140,16 +141,7 @@ def main():
     ref(images, labels)
     difference = reference_disagreement(ref, images, labels, args.seed)
     require_same_function(difference, TOLERANCE, "CapsNet")
-    optimizer = keras.optimizers.Adam(1e-3)
-    optimizer.build(ref.trainable_weights)
-
-    @tf.function
-    def ref_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = ref(x, y)
-        optimizer.apply(tape.gradient(loss, ref.trainable_weights), ref.trainable_weights)
-        return loss
-
+    ref_step = adam_step(ref, ref.trainable_weights, 1e-3)
     reference = best_seconds(lambda: float(ref_step(images, labels)), warmup=2, repeats=args.repeats)
     print(f"reference (tiled votes): {reference * 1e3:7.1f} ms/step  {args.batch / reference:6.1f} images/s")
     print(f"machine: {machine()}")

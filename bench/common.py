@@ -5,6 +5,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import keras
 import tensorflow as tf
 
 
@@ -18,6 +19,22 @@ def best_seconds(fn, warmup=2, repeats=5):
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def adam_step(loss, weights, learning_rate):
+    """A reference's training step, as its authors write one: `loss(x, y)` in a `tf.function` graph (no XLA),
+    its gradient by `tf.GradientTape`, one Adam update of `weights`; returns the loss."""
+    optimizer = keras.optimizers.Adam(learning_rate)
+    optimizer.build(weights)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(x, y)
+        optimizer.apply(tape.gradient(value, weights), weights)
+        return value
+
+    return step
 
 
 def dense_matmul_flops_per_s(n=2048):

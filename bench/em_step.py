@@ -29,6 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from common import (
+    adam_step,
     best_seconds,
     cpu_allocator,
     dense_matmul_flops_per_s,
@@ -215,16 +216,7 @@ def main():
     ref(images, labels, margin=0.2)
     difference = reference_disagreement(ref, images, labels, sizes, args.seed)
     require_same_function(difference, TOLERANCE, "MatrixCapsNet")
-    optimizer = keras.optimizers.Adam(1e-3)
-    optimizer.build(ref.trainable_weights)
-
-    @tf.function
-    def ref_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = ref(x, y, margin=0.2)
-        optimizer.apply(tape.gradient(loss, ref.trainable_weights), ref.trainable_weights)
-        return loss
-
+    ref_step = adam_step(lambda x, y: ref(x, y, margin=0.2), ref.trainable_weights, 1e-3)
     reference = best_seconds(lambda: float(ref_step(images, labels)), warmup=1, repeats=args.repeats)
     print(f"reference (tiled votes, no XLA): {reference * 1e3:7.1f} ms/step  "
           f"{args.batch / reference:6.1f} images/s")

@@ -28,6 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from common import (
+    adam_step,
     best_seconds,
     cpu_allocator,
     dense_matmul_flops_per_s,
@@ -246,6 +247,28 @@ def peak_bytes(step):
     return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
 
 
+def poecaps_run(router, images, labels, seed):
+    """One call: one training step of poecaps' `RoutingCapsNet` (Keras seeded with `seed`, one XLA
+    computation, convolutional capsule layers in chunks); returns the loss."""
+    keras.utils.set_random_seed(seed)
+    model = SupervisedTrainer(RoutingCapsNet((28, 28, 1), 10, routing=router, chunk_capsules=CHUNK_CAPSULES))
+    model.compile(optimizer=keras.optimizers.Adam(3e-3))
+    model.optimizer.build(model.trainable_variables)
+    step = tf.function(lambda x, y: model.train_step((x, y)), jit_compile=True)
+    return lambda: float(step(images, labels)["loss"])
+
+
+def reference_run(router, images, labels, seed):
+    """One call: one training step of the reference, after it is given poecaps' weights and must reproduce
+    its function (`reference_disagreement`; the run stops if not); returns the loss."""
+    ref = TiledReference(router)
+    ref(images, labels)
+    difference = reference_disagreement(ref, router, images, labels, seed)
+    require_same_function(difference, TOLERANCE, f"RoutingCapsNet ({router})", prefix=f"{router}: ")
+    step = adam_step(ref, ref.trainable_weights, 3e-3)
+    return lambda: float(step(images, labels))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=32)
@@ -260,30 +283,11 @@ def main():
     print(f"machine: {machine()}")
     print(f"dense matmul: {matmul / 1e9:.1f} GFLOP/s; CPU allocator: {cpu_allocator()}")
     for router in args.router or ["similarity", "connectionist"]:
-        keras.utils.set_random_seed(args.seed)
-        model = SupervisedTrainer(RoutingCapsNet((28, 28, 1), 10, routing=router, chunk_capsules=CHUNK_CAPSULES))
-        model.compile(optimizer=keras.optimizers.Adam(3e-3))
-        model.optimizer.build(model.trainable_variables)
-        step = tf.function(lambda x, y, model=model: model.train_step((x, y)), jit_compile=True)
-        run = lambda step=step: float(step(images, labels)["loss"])
+        run = poecaps_run(router, images, labels, args.seed)
         seconds = best_seconds(run, warmup=2, repeats=args.repeats)
         peak = peak_bytes(run)
 
-        ref = TiledReference(router)
-        ref(images, labels)
-        difference = reference_disagreement(ref, router, images, labels, args.seed)
-        require_same_function(difference, TOLERANCE, f"RoutingCapsNet ({router})", prefix=f"{router}: ")
-        optimizer = keras.optimizers.Adam(3e-3)
-        optimizer.build(ref.trainable_weights)
-
-        @tf.function
-        def ref_step(x, y, ref=ref, optimizer=optimizer):
-            with tf.GradientTape() as tape:
-                loss = ref(x, y)
-            optimizer.apply(tape.gradient(loss, ref.trainable_weights), ref.trainable_weights)
-            return loss
-
-        ref_run = lambda ref_step=ref_step: float(ref_step(images, labels))
+        ref_run = reference_run(router, images, labels, args.seed)
         reference = best_seconds(ref_run, warmup=1, repeats=args.repeats)
         ref_peak = peak_bytes(ref_run)
         flops = step_flops(args.batch, router)

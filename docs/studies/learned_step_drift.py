@@ -25,15 +25,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import keras
 import numpy as np
-import tensorflow as tf
-from common import machine, require_same_function
-from learned_step import TOLERANCE, TiledReference, reference_disagreement
-
-from poecaps.models import RoutingCapsNet
-from poecaps.models.matrix_capsnet import CHUNK_CAPSULES
-from poecaps.trainers.supervised import SupervisedTrainer
+from common import machine
+from learned_step import poecaps_run, reference_run
 
 
 def cpu_ticks():
@@ -58,30 +52,11 @@ def shares(before, after, seconds):
 
 
 def steps(router, batch, seed):
-    """poecaps' XLA training step and the reference's, as `bench/learned_step.py` builds them."""
+    """poecaps' XLA training step and the reference's, as `bench/learned_step.py` builds and checks them."""
     rng = np.random.default_rng(seed)
     images = rng.uniform(size=(batch, 28, 28, 1)).astype("float32")
     labels = rng.integers(0, 10, size=batch)
-    keras.utils.set_random_seed(seed)
-    model = SupervisedTrainer(RoutingCapsNet((28, 28, 1), 10, routing=router, chunk_capsules=CHUNK_CAPSULES))
-    model.compile(optimizer=keras.optimizers.Adam(3e-3))
-    model.optimizer.build(model.trainable_variables)
-    step = tf.function(lambda x, y: model.train_step((x, y)), jit_compile=True)
-    ref = TiledReference(router)
-    ref(images, labels)
-    difference = reference_disagreement(ref, router, images, labels, seed)
-    require_same_function(difference, TOLERANCE, f"RoutingCapsNet ({router})", prefix=f"{router}: ")
-    optimizer = keras.optimizers.Adam(3e-3)
-    optimizer.build(ref.trainable_weights)
-
-    @tf.function
-    def ref_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = ref(x, y)
-        optimizer.apply(tape.gradient(loss, ref.trainable_weights), ref.trainable_weights)
-        return loss
-
-    return (lambda: float(step(images, labels)["loss"])), (lambda: float(ref_step(images, labels)))
+    return poecaps_run(router, images, labels, seed), reference_run(router, images, labels, seed)
 
 
 def timed(fn):
