@@ -248,8 +248,8 @@ def peak_bytes(step):
 
 
 def poecaps_run(router, images, labels, seed):
-    """One call: one training step of poecaps' `RoutingCapsNet` (Keras seeded with `seed`, one XLA
-    computation, convolutional capsule layers in chunks); returns the loss."""
+    """A function that runs one training step of poecaps' `RoutingCapsNet` on `images` and returns the loss
+    (weights from Keras seeded with `seed`; one XLA computation, convolutional capsule layers in chunks)."""
     keras.utils.set_random_seed(seed)
     model = SupervisedTrainer(RoutingCapsNet((28, 28, 1), 10, routing=router, chunk_capsules=CHUNK_CAPSULES))
     model.compile(optimizer=keras.optimizers.Adam(3e-3))
@@ -259,8 +259,9 @@ def poecaps_run(router, images, labels, seed):
 
 
 def reference_run(router, images, labels, seed):
-    """One call: one training step of the reference, after it is given poecaps' weights and must reproduce
-    its function (`reference_disagreement`; the run stops if not); returns the loss."""
+    """A function that runs one training step of the reference on `images` and returns the loss. Before it is
+    returned, the reference is given poecaps' weights and must reproduce its function (`reference_disagreement`;
+    the run stops if not)."""
     ref = TiledReference(router)
     ref(images, labels)
     difference = reference_disagreement(ref, router, images, labels, seed)
