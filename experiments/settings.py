@@ -10,11 +10,10 @@ TensorFlow, so that `--help` answers at once.
 
 import dataclasses
 import difflib
-import math
 import numbers
 
 from poecaps.errors import InputError
-from poecaps.validation import choice_list, number_bounds
+from poecaps.validation import check_number, choice_list, number_bounds
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
@@ -98,10 +97,8 @@ class Spec:
             value = int(value)
         if self.kind is float:
             try:
-                value = float(value)
-            except OverflowError:           # an int beyond the largest float
-                self._fail(name, value)
-            if not math.isfinite(value):
+                value = check_number(value, name)       # a finite Python float (NaN, inf, huge ints refused)
+            except InputError:
                 self._fail(name, value)
         if ((self.minimum is not None and value < self.minimum)
                 or (self.maximum is not None and value > self.maximum)
