@@ -9,6 +9,8 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 import numpy as np
 
+from poecaps.errors import InputError
+
 
 def mosaic(images, gap=2, fill=1.0):
     """Tile `images [rows, cols, H, W, C]` into one `[rows (H + gap) - gap, cols (W + gap) - gap, C]` array.
@@ -18,7 +20,7 @@ def mosaic(images, gap=2, fill=1.0):
     """
     images = np.clip(np.asarray(images, dtype="float32"), 0.0, 1.0)
     if images.ndim != 5:
-        raise ValueError(f"images must be [rows, cols, H, W, C]. Received: shape={images.shape}")
+        raise InputError(f"images must be [rows, cols, H, W, C]. Received: shape={images.shape}")
     rows, cols, height, width, channels = images.shape
     tiled = np.full((rows * (height + gap) - gap, cols * (width + gap) - gap, channels), fill, dtype="float32")
     for r in range(rows):

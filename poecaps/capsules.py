@@ -6,6 +6,8 @@ All functions are pure and work on any leading shape; `axis` is the capsule
 
 from keras import ops
 
+from poecaps.errors import InputError
+
 EPSILON = 1e-7
 
 
@@ -76,7 +78,7 @@ def with_length(x, axis=-1):
     section 4.2 leaves a capsule on "S^m x R^n x (0, 1)" to future work.
     """
     if axis != -1:
-        raise ValueError(f"with_length works on the last axis. Received: axis={axis}")
+        raise InputError(f"with_length works on the last axis. Received: axis={axis}")
     return ops.concatenate([x, length(x)[..., None]], axis=-1) / ops.sqrt(2.0)
 
 
@@ -88,7 +90,7 @@ def primary_capsules(code, capsule_dim):
     """
     channels = code.shape[-1]
     if channels % capsule_dim:
-        raise ValueError(
+        raise InputError(
             f"capsule_dim must divide the number of channels ({channels}). "
             f"Received: capsule_dim={capsule_dim}"
         )

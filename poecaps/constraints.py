@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.validation import check_number
 
 
@@ -43,7 +44,7 @@ class IsometricPoses(keras.constraints.Constraint):
 
     def __call__(self, kernel):
         if len(kernel.shape) != 4:
-            raise ValueError("IsometricPoses needs a kernel [I, J, D_out, D_in]. "
+            raise InputError("IsometricPoses needs a kernel [I, J, D_out, D_in]. "
                              f"Received shape {tuple(kernel.shape)}")
         kernel = ops.convert_to_tensor(kernel)
         gram = ops.einsum("ijod,ijpd->jop", kernel, kernel)                   # M_j M_j^T

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.validation import check_number
 
 
@@ -25,7 +26,7 @@ class NearIdentity(keras.initializers.Initializer):
 
     def __call__(self, shape, dtype=None):
         if len(shape) < 2:
-            raise ValueError(f"NearIdentity needs matrices (at least 2 axes). Received: shape={shape}")
+            raise InputError(f"NearIdentity needs matrices (at least 2 axes). Received: shape={shape}")
         eye = ops.eye(shape[-2], shape[-1], dtype=dtype)
         noise = keras.random.uniform(shape, -self.noise, self.noise, dtype=dtype, seed=self.seed)
         return eye + noise

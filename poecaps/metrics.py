@@ -4,6 +4,7 @@ import keras
 import numpy as np
 
 from poecaps.capsules import unsquash
+from poecaps.errors import InputError
 
 
 def mse(images, reconstructions):
@@ -78,9 +79,9 @@ def probe_penalty(features, labels, penalties=PROBE_PENALTIES, folds=5, seed=0, 
     """
     features, labels = np.asarray(features), np.asarray(labels)
     if not 2 <= folds <= len(features):
-        raise ValueError(f"folds must be in [2, {len(features)}] (the number of rows). Received: folds={folds}")
+        raise InputError(f"folds must be in [2, {len(features)}] (the number of rows). Received: folds={folds}")
     if len(penalties) == 0 or min(penalties) < 0:
-        raise ValueError(f"penalties must be non-empty and non-negative. Received: {penalties}")
+        raise InputError(f"penalties must be non-empty and non-negative. Received: {penalties}")
     parts = np.array_split(np.random.default_rng(seed).permutation(len(features)), folds)
     accuracy = []
     for l2 in penalties:
@@ -140,7 +141,7 @@ def mean_directions(upper):
     """
     upper = np.asarray(upper, "float64")
     if upper.ndim != 3 or len(upper) == 0:
-        raise ValueError(f"mean_directions needs upper capsules [N, J, D], N > 0. Received shape {upper.shape}")
+        raise InputError(f"mean_directions needs upper capsules [N, J, D], N > 0. Received shape {upper.shape}")
     directions = np.mean(upper / (np.linalg.norm(upper, axis=-1, keepdims=True) + 1e-12), axis=0)
     return directions / (np.linalg.norm(directions, axis=-1, keepdims=True) + 1e-12)
 
@@ -158,7 +159,7 @@ def pose_second_moments(upper):
     """
     upper = np.asarray(upper)
     if upper.ndim != 3 or len(upper) == 0:
-        raise ValueError(f"pose_second_moments needs upper capsules [N, J, D]. Received shape {upper.shape}")
+        raise InputError(f"pose_second_moments needs upper capsules [N, J, D]. Received shape {upper.shape}")
     z = np.asarray(keras.ops.convert_to_numpy(unsquash(upper.astype("float32"))), "float64")
     # [N, J, D] x [N, J, D] -> [J, D, D], the mean of z_j z_j^T over the N images
     return np.einsum("njd,nje->jde", z, z) / len(z)
@@ -201,7 +202,7 @@ def principal_share(moments):
     """
     moments = np.asarray(moments, "float64")
     if moments.ndim != 3 or moments.shape[1] != moments.shape[2]:
-        raise ValueError(f"principal_share needs moments [J, D, D]. Received shape {moments.shape}")
+        raise InputError(f"principal_share needs moments [J, D, D]. Received shape {moments.shape}")
     eigenvalues = np.linalg.eigvalsh(moments)
     return eigenvalues[:, -1] / np.maximum(np.trace(moments, axis1=1, axis2=2), 1e-30)
 
@@ -225,7 +226,7 @@ def class_selectivity(activity, labels, classes):
     """
     activity, labels = np.asarray(activity), np.asarray(labels)
     if activity.ndim != 2 or len(activity) != len(labels):
-        raise ValueError(f"class_selectivity needs activity [N, J] and labels [N]. "
+        raise InputError(f"class_selectivity needs activity [N, J] and labels [N]. "
                          f"Received shapes {activity.shape} and {labels.shape}")
     present = [c for c in range(classes) if np.any(labels == c)]
     means = np.stack([activity[labels == c].mean(axis=0) for c in present])   # [C, J]
@@ -244,7 +245,7 @@ def keep_longest(upper, k=1):
     """
     upper = np.asarray(upper)
     if upper.ndim != 3 or not 1 <= k <= upper.shape[1]:
-        raise ValueError(f"keep_longest needs upper capsules [N, J, D] and 1 <= k <= J. "
+        raise InputError(f"keep_longest needs upper capsules [N, J, D] and 1 <= k <= J. "
                          f"Received shape {upper.shape} and k={k}")
     longest = np.argsort(-np.linalg.norm(upper, axis=-1), axis=1, kind="stable")[:, :k]
     mask = np.zeros(upper.shape[:2], upper.dtype)
@@ -261,7 +262,7 @@ def principal_axes(moments, directions):
     """
     moments, directions = np.asarray(moments, "float64"), np.asarray(directions, "float64")
     if moments.ndim != 3 or directions.shape != moments.shape[:2]:
-        raise ValueError(f"principal_axes needs moments [J, D, D] and directions [J, D]. "
+        raise InputError(f"principal_axes needs moments [J, D, D] and directions [J, D]. "
                          f"Received shapes {moments.shape} and {directions.shape}")
     axes = _principal_directions(moments)
     return axes * np.where(np.sum(axes * directions, axis=-1, keepdims=True) < 0, -1.0, 1.0)
@@ -296,12 +297,12 @@ def winning_side_axes(upper, moments=None):
     """
     upper = np.asarray(upper)
     if upper.ndim != 3 or len(upper) == 0:
-        raise ValueError(f"winning_side_axes needs upper capsules [N, J, D], N > 0. Received shape {upper.shape}")
+        raise InputError(f"winning_side_axes needs upper capsules [N, J, D], N > 0. Received shape {upper.shape}")
     if moments is None:
         moments = longest_pose_second_moments(upper)[0]
     moments = np.asarray(moments, "float64")
     if moments.shape != (upper.shape[1], upper.shape[2], upper.shape[2]):
-        raise ValueError(f"winning_side_axes needs moments [J, D, D] = "
+        raise InputError(f"winning_side_axes needs moments [J, D, D] = "
                          f"{(upper.shape[1], upper.shape[2], upper.shape[2])}. Received shape {moments.shape}")
     axes = _principal_directions(moments)
     first = axes[np.arange(len(axes)), np.argmax(np.abs(axes) > 1e-12, axis=-1)]
@@ -341,7 +342,7 @@ def longest_capsule_side_clusters(upper, labels, classes, axes):
     """
     upper, labels, axes = np.asarray(upper), np.asarray(labels), np.asarray(axes)
     if upper.ndim != 3 or len(upper) != len(labels) or len(labels) == 0 or axes.shape != upper.shape[1:]:
-        raise ValueError(f"longest_capsule_side_clusters needs upper [N, J, D], labels [N] (N > 0) and "
+        raise InputError(f"longest_capsule_side_clusters needs upper [N, J, D], labels [N] (N > 0) and "
                          f"axes [J, D]. Received shapes {upper.shape}, {labels.shape} and {axes.shape}")
     rows = np.arange(len(upper))
     winner = np.argmax(np.linalg.norm(upper, axis=-1), axis=1)
@@ -373,7 +374,7 @@ def longest_capsule_clusters(lengths, labels, classes):
     """
     lengths, labels = np.asarray(lengths), np.asarray(labels)
     if lengths.ndim != 2 or len(lengths) != len(labels) or len(labels) == 0:
-        raise ValueError(f"longest_capsule_clusters needs lengths [N, J] and labels [N], N > 0. "
+        raise InputError(f"longest_capsule_clusters needs lengths [N, J] and labels [N], N > 0. "
                          f"Received shapes {lengths.shape} and {labels.shape}")
     return _clusters(np.argmax(lengths, axis=1), labels, classes, lengths.shape[1])
 
@@ -389,7 +390,7 @@ def kmeans(points, k, seed=0, iterations=100):
     """
     points = np.asarray(points, "float64")
     if points.ndim != 2 or not 1 <= k <= len(points):
-        raise ValueError(f"kmeans needs points [N, F] and 1 <= k <= N. Received shape {points.shape} and k={k}")
+        raise InputError(f"kmeans needs points [N, F] and 1 <= k <= N. Received shape {points.shape} and k={k}")
     centroids = points[np.random.default_rng(seed).choice(len(points), k, replace=False)]
     assignment = None
     for _ in range(iterations):
@@ -416,7 +417,7 @@ def cluster_purity(assignment, labels, classes, count):
     """`longest_capsule_clusters`' figures for any assignment of images to `count` clusters."""
     assignment, labels = np.asarray(assignment), np.asarray(labels)
     if assignment.shape != labels.shape or assignment.ndim != 1 or len(labels) == 0:
-        raise ValueError(f"cluster_purity needs assignment [N] and labels [N], N > 0. "
+        raise InputError(f"cluster_purity needs assignment [N] and labels [N], N > 0. "
                          f"Received shapes {assignment.shape} and {labels.shape}")
     return _clusters(assignment, labels, classes, count)
 
@@ -444,7 +445,7 @@ def hoyer_sparsity(scores):
     """
     scores = np.asarray(scores, "float64")
     if scores.ndim < 1 or scores.shape[-1] < 2:
-        raise ValueError(f"hoyer_sparsity needs score vectors of at least 2 entries. Received shape {scores.shape}")
+        raise InputError(f"hoyer_sparsity needs score vectors of at least 2 entries. Received shape {scores.shape}")
     n = scores.shape[-1]
     l1 = np.sum(np.abs(scores), axis=-1)
     l2 = np.sqrt(np.sum(np.square(scores), axis=-1))

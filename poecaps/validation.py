@@ -117,14 +117,14 @@ def check_images(images, name="images", image_shape=None, channels=None):
 
 
 def check_image_batch(images, image_size, owner):
-    """Refuse, with a `ValueError` naming `owner`, images (array or tensor) not `[B, H, W, 1]` of `image_size`.
+    """Refuse, with an `InputError` naming `owner`, images (array or tensor) not `[B, H, W, 1]` of `image_size`.
 
     A check of the static shape: it also runs while a graph is traced, and dimensions unknown then pass.
     """
     shape = tuple(getattr(images, "shape", None) or np.shape(images))
     expected = (*image_size, 1)
     if len(shape) != 4 or any(s is not None and s != e for s, e in zip(shape[1:], expected)):
-        raise ValueError(f"{owner} takes images of shape [batch, {image_size[0]}, {image_size[1]}, 1]. "
+        raise InputError(f"{owner} takes images of shape [batch, {image_size[0]}, {image_size[1]}, 1]. "
                          f"Received: shape={shape}")
 
 

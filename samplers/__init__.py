@@ -1,5 +1,6 @@
 """Drawing from trained models; samplers are objects resolvable by name."""
 
+from poecaps.errors import InputError
 from poecaps.samplers.capsule import CapsuleSampler
 from poecaps.samplers.rbm import RBMSampler
 
@@ -9,7 +10,7 @@ _REGISTRY = {"capsule": CapsuleSampler, "rbm": RBMSampler}
 def get(name, **kwargs):
     """`poecaps.samplers.get("capsule", pipeline=...)` -> a sampler object."""
     if name not in _REGISTRY:
-        raise ValueError(f"Unknown sampler; expected one of {sorted(_REGISTRY)}. Received: name={name!r}")
+        raise InputError(f"Unknown sampler; expected one of {sorted(_REGISTRY)}. Received: name={name!r}")
     return _REGISTRY[name](**kwargs)
 
 

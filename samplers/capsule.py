@@ -4,6 +4,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.capsules import squash
+from poecaps.errors import InputError
 from poecaps.validation import check_choice, check_integer
 
 # Each domain's half of capsule space: the pipeline array that picks it (None: the whole space).
@@ -48,7 +49,7 @@ class CapsuleSampler:
         if DOMAINS[domain] is not None:
             directions = getattr(self.pipeline, DOMAINS[domain])
             if directions is None:
-                raise ValueError(f"The {domain} domain needs models/{DOMAINS[domain]}.npy, which the "
+                raise InputError(f"The {domain} domain needs models/{DOMAINS[domain]}.npy, which the "
                                  "decoder stage writes; train the decoder stage again.")
             sign = np.where(np.sum(draws * directions[None], axis=-1, keepdims=True) < 0, -1.0, 1.0)
             draws = draws * sign.astype("float32")

@@ -182,7 +182,7 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: CDTrainer(CapsuleExperts(2, 3), steps=0), r"steps must be an integer >= 1. Received: steps=0"),
 ])
 def test_bad_names_sizes_and_hyperparameters(build, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         build()
 
 
@@ -251,7 +251,7 @@ SIZES = [
 
 @pytest.mark.parametrize("make, name", SIZES)
 def test_sizes_refuse_bools_and_store_numpy_integers_as_int(make, name):
-    with pytest.raises(ValueError, match=rf"{name} must be an integer >= [01](, or None)?\. Received: {name}=True"):
+    with pytest.raises(InputError, match=rf"{name} must be an integer >= [01](, or None)?\. Received: {name}=True"):
         make(True)
     config = make(np.int64(3)).get_config()
     assert config[name] == 3 and type(config[name]) is int

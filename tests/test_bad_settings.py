@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from poecaps.errors import InputError
 from poecaps.experiments import commands, presets
 from poecaps.experiments.configs import BaselineEvaluationConfig, EvaluationConfig, SampleConfig
 from poecaps.experiments.settings import specs
@@ -113,6 +114,6 @@ def test_the_bad_values_cover_every_rule_of_every_declaration():
             rules = [r for r in ("minimum", "maximum", "above", "below") if getattr(spec, r) is not None]
             assert len(values) >= len(rules) + 1, name
             for value in values:
-                with pytest.raises(ValueError, match=name):
+                with pytest.raises(InputError, match=name):
                     spec.parse(name, value)
             assert dataclasses.is_dataclass(config)

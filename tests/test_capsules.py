@@ -4,6 +4,7 @@ from keras import ops
 
 from poecaps import energy
 from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash
+from poecaps.errors import InputError
 
 
 def np_squash(z):
@@ -102,7 +103,7 @@ def test_primary_capsules_reshape_and_inverse(rng):
 
 
 def test_primary_capsules_rejects_dimension_not_dividing_channels():
-    with pytest.raises(ValueError, match="capsule_dim=7"):
+    with pytest.raises(InputError, match="capsule_dim=7"):
         primary_capsules(np.zeros((1, 2, 2, 16), "float32"), 7)
 
 
@@ -118,5 +119,5 @@ def test_with_length_appends_the_length_and_keeps_it(rng):
     flipped = ops.convert_to_numpy(with_length(-x))
     np.testing.assert_allclose(flipped[..., 4], out[..., 4])                      # sides share the length
     np.testing.assert_allclose(ops.convert_to_numpy(with_length(np.zeros((2, 3), "float32"))), 0.0)
-    with pytest.raises(ValueError, match="last axis"):
+    with pytest.raises(InputError, match="last axis"):
         with_length(x, axis=1)

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from poecaps.chunks import map_in_chunks
+from poecaps.errors import InputError
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
@@ -36,5 +37,5 @@ def test_values_and_gradients_equal_whole_batch(rng, mode, rows, chunk_size):
 
 @pytest.mark.parametrize("chunk_size", [0, -2, 1.5, None])
 def test_bad_chunk_size(chunk_size):
-    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1"):
+    with pytest.raises(InputError, match="chunk_size must be an integer >= 1"):
         map_in_chunks(lambda x: (x,), [tf.zeros((2, 1))], chunk_size, ["float32"])

@@ -4,6 +4,7 @@ import pytest
 from keras import ops
 
 from poecaps.constraints import IsometricPoses
+from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import CapsuleDense
 from poecaps.trainers.cd import CDTrainer, default_optimizer
@@ -30,9 +31,9 @@ def test_isometric_poses_is_the_polar_factor_at_the_rms_singular_value(rng):
 
 
 def test_isometric_poses_arguments_are_checked():
-    with pytest.raises(ValueError, match=r"^epsilon must be a finite number > 0\. Received: epsilon=0\.0$"):
+    with pytest.raises(InputError, match=r"^epsilon must be a finite number > 0\. Received: epsilon=0\.0$"):
         IsometricPoses(epsilon=0.0)
-    with pytest.raises(ValueError, match=r"kernel \[I, J, D_out, D_in\]"):
+    with pytest.raises(InputError, match=r"kernel \[I, J, D_out, D_in\]"):
         IsometricPoses()(np.ones((3, 4), "float32"))
 
 
@@ -60,5 +61,5 @@ def test_capsule_dense_serialises_its_constraint():
 
 
 def test_capsule_dense_refuses_isometric_poses_for_matrix_poses():
-    with pytest.raises(ValueError, match="pose='matrix'"):
+    with pytest.raises(InputError, match="pose='matrix'"):
         CapsuleDense(3, 16, pose="matrix", kernel_constraint=IsometricPoses())

@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras import ops
 
 from poecaps import transforms
+from poecaps.errors import InputError
 from poecaps.layers import CapsuleDense, ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.layers.capsule_dense import capsule_votes
 from poecaps.layers.conv_capsules import capsule_patches
@@ -91,12 +92,12 @@ def test_primary_matrix_capsules_shapes(rng):
     (lambda: PrimaryMatrixCapsules(0), "num_capsules must be an integer >= 1"),
 ])
 def test_invalid_arguments(make, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         make()
 
 
 def test_kernel_larger_than_map_is_a_clear_error(rng):
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(InputError, match="does not fit"):
         ConvCapsules(2, 16, kernel_size=5)(rng.normal(size=(1, 3, 3, 2, 16)).astype("float32"))
 
 
@@ -277,7 +278,7 @@ def test_chunked_routing_equals_whole_batch(rng, routing_name, pose, chunk_size,
 
 
 def test_chunk_size_is_checked_and_serialised():
-    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1, or None"):
+    with pytest.raises(InputError, match="chunk_size must be an integer >= 1, or None"):
         ConvCapsules(3, 16, chunk_size=0)
     layer = ConvCapsules(3, 16, chunk_size=7)
     again = ConvCapsules.from_config(layer.get_config())

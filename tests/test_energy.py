@@ -7,6 +7,7 @@ from keras import ops
 
 from poecaps import energy
 from poecaps.capsules import squash
+from poecaps.errors import InputError
 from poecaps.routing import DynamicRouting
 
 
@@ -80,7 +81,7 @@ def test_free_energy_is_energy_marginalised_over_hidden(rng):
 
 def test_mix_rejects_zero_steps(rng):
     x, w = _layer(rng, batch=1, num_in=2, num_out=2, d_in=2, d_out=2)
-    with pytest.raises(ValueError, match="steps=0"):
+    with pytest.raises(InputError, match="steps=0"):
         energy.mix(x, w, np.full((1, 2, 2), 0.5), steps=0)
 
 

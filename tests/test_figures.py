@@ -4,6 +4,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
+from poecaps.errors import InputError
 from poecaps.experiments import figures
 
 
@@ -28,7 +29,7 @@ def test_mosaic_keeps_colour_channels_and_refuses_other_shapes():
     tiled = figures.mosaic(images, gap=2)
     np.testing.assert_allclose(tiled[:, 6:], images[0, 1], rtol=1e-6)
     np.testing.assert_array_equal(tiled[:, 4:6], 1.0)
-    with pytest.raises(ValueError, match=r"\[rows, cols, H, W, C\]"):
+    with pytest.raises(InputError, match=r"\[rows, cols, H, W, C\]"):
         figures.mosaic(images[0])
 
 

@@ -10,6 +10,7 @@ from keras import ops
 from scipy import special, stats
 
 from poecaps import vmf
+from poecaps.errors import InputError
 from poecaps.models import GenerativeCapsules
 from poecaps.models.saving import load_component, save_component
 from poecaps.routing import TopDownAttention
@@ -110,7 +111,7 @@ def test_samples_keep_their_spread_at_any_concentration(d):
     x = vmf.sample_vmf(tf.constant(np.tile(mu, (4, 1))), tf.constant([np.inf, -1.0, np.nan, 2.0]), [1, 2]).numpy()
     np.testing.assert_allclose(x[0], mu, rtol=0, atol=1e-15)
     assert np.all(np.isnan(x[1:3])) and np.all(np.isfinite(x[3]))
-    with pytest.raises(ValueError, match=r"mu.shape\[-1\]"):
+    with pytest.raises(InputError, match=r"mu.shape\[-1\]"):
         vmf.sample_vmf(tf.ones((3, 1)), tf.ones(3), [0, 1])
 
 
@@ -233,13 +234,13 @@ def test_config_round_trip_and_save_reload(tmp_path, rng):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="Received: child_dim=1"):
+    with pytest.raises(InputError, match="Received: child_dim=1"):
         GenerativeCapsules(2, 3, 1)
-    with pytest.raises(ValueError, match="Received: kappa=0"):
+    with pytest.raises(InputError, match="Received: kappa=0"):
         GenerativeCapsules(2, 3, 4, kappa=0)
-    with pytest.raises(ValueError, match="Received: d=1"):
+    with pytest.raises(InputError, match="Received: d=1"):
         vmf.vmf_log_normalizer(1.0, 1)
-    with pytest.raises(ValueError, match="Received: beta=0"):
+    with pytest.raises(InputError, match="Received: beta=0"):
         TopDownAttention(beta=0)
 
 
@@ -247,15 +248,15 @@ def test_inference_builds_the_layer_and_wrong_children_are_refused(rng):
     """`infer` before any call builds the weights for its children (as calling the layer does); children of
     another size, or generating before the number of children is known, raise a clear error."""
     layer = GenerativeCapsules(3, 4, 4, seed=1)
-    with pytest.raises(ValueError, match="no weights yet"):
+    with pytest.raises(InputError, match="no weights yet"):
         layer.generate(tf.zeros((2, 3, 4)), [1, 2])
     children = tf.constant(rng.normal(size=(2, 24, 4)).astype("float32"))
     assert layer.infer(children).coefficients.shape == (2, 24, 3) and layer.maps.shape[0] == 24
-    with pytest.raises(ValueError, match="built for 24 children"):
+    with pytest.raises(InputError, match="built for 24 children"):
         layer.infer(children[:, :23])
-    with pytest.raises(ValueError, match="built for 24 children"):        # a symbolic call too
+    with pytest.raises(InputError, match="built for 24 children"):        # a symbolic call too
         layer(keras.Input((23, 4)))
-    with pytest.raises(ValueError, match=r"children must be \[batch, children, 4\]"):
+    with pytest.raises(InputError, match=r"children must be \[batch, children, 4\]"):
         layer.posterior(tf.zeros((2, 24, 5)), tf.zeros((2, 3, 4)))
 
 
@@ -277,7 +278,7 @@ def test_the_trainer_raises_the_bound_on_children_of_another_layer(rng):
     history = trainer.fit(children, batch_size=16, epochs=4, shuffle=False, verbose=0)
     assert np.all(np.isfinite(history.history["bound_per_child"]))
     assert bound() > before          # here about -155 -> -123 per set of children
-    with pytest.raises(ValueError, match="iterations"):
+    with pytest.raises(InputError, match="iterations"):
         GenerativeCapsuleTrainer(student, iterations=0)
 
 
@@ -306,5 +307,5 @@ def test_the_trainer_weighs_each_child_by_its_length_when_asked(rng):
         else:
             # every child counts alike: child 0's length term pulls on its maps, and its direction on the parents
             assert change[0] > 0.0 and moved > 1e-3
-    with pytest.raises(ValueError, match="child_weights must be one of 'uniform', 'lengths'. Received: child_weights='length'"):
+    with pytest.raises(InputError, match="child_weights must be one of 'uniform', 'lengths'. Received: child_weights='length'"):
         GenerativeCapsuleTrainer(student, child_weights="length")

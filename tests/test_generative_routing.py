@@ -7,6 +7,7 @@ from keras import ops
 from scipy import optimize, stats
 
 from poecaps import routing
+from poecaps.errors import InputError
 from poecaps.models import RoutingCapsNet
 from poecaps.routing import GenerativeRouting
 
@@ -126,11 +127,11 @@ def test_config_round_trip_and_validation(rng):
     clone.set_weights(router.get_weights())
     for a, b in zip(before, clone(votes)):
         np.testing.assert_array_equal(ops.convert_to_numpy(a), ops.convert_to_numpy(b))
-    with pytest.raises(ValueError, match="Received: kappa=0"):
+    with pytest.raises(InputError, match="Received: kappa=0"):
         GenerativeRouting(kappa=0)
-    with pytest.raises(ValueError, match="Received: sigma=-1"):
+    with pytest.raises(InputError, match="Received: sigma=-1"):
         GenerativeRouting(sigma=-1)
-    with pytest.raises(ValueError, match="at least 2 dimensions"):
+    with pytest.raises(InputError, match="at least 2 dimensions"):
         GenerativeRouting()(np.zeros((1, 2, 3, 1), "float32"))
 
 

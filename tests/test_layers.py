@@ -4,6 +4,7 @@ import pytest
 from keras import ops
 
 from poecaps.capsules import squash
+from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import CapsuleDense, ConvAutoencoder, PrimaryCapsules
 from poecaps.rbm import BernoulliRBM
@@ -48,12 +49,12 @@ def test_capsule_dense_votes_path_equals_linear_path(rng):
     ({"num_capsules": 3, "capsule_dim": -2}, "capsule_dim=-2"),
 ])
 def test_capsule_dense_invalid_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         CapsuleDense(**kwargs)
 
 
 def test_capsule_dense_rejects_wrong_rank():
-    with pytest.raises(ValueError, match="input_shape"):
+    with pytest.raises(InputError, match="input_shape"):
         CapsuleDense(2, 3).build((4, 8))
 
 
@@ -89,9 +90,9 @@ def test_primary_capsules(tmp_path, rng):
     np.testing.assert_array_equal(out[1, 3], code[1, 0, 1, 4:8])
     squashed = ops.convert_to_numpy(PrimaryCapsules(4)(code))
     np.testing.assert_allclose(squashed, ops.convert_to_numpy(squash(out)), rtol=1e-6)
-    with pytest.raises(ValueError, match="capsule_dim=3"):
+    with pytest.raises(InputError, match="capsule_dim=3"):
         PrimaryCapsules(3)(code)
-    with pytest.raises(ValueError, match="capsule_dim=0"):
+    with pytest.raises(InputError, match="capsule_dim=0"):
         PrimaryCapsules(0)
 
 
@@ -116,12 +117,12 @@ def test_conv_autoencoder_paper_sizes(rng):
 @pytest.mark.parametrize("kwargs, message", [
     ({"filters": 0}, "filters=0"), ({"dropout": 1.5}, "dropout=1.5"), ({"strides": 0}, "strides=0")])
 def test_conv_autoencoder_invalid_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         ConvAutoencoder(**kwargs)
 
 
 def test_conv_autoencoder_rejects_too_small_images():
-    with pytest.raises(ValueError, match="too small"):
+    with pytest.raises(InputError, match="too small"):
         ConvAutoencoder(kernel_size=9)(np.zeros((1, 12, 12, 1), "float32"))
 
 
@@ -144,5 +145,5 @@ def test_capsule_experts_and_rbm_config_round_trip_and_save(tmp_path, rng):
     _roundtrip(rbm)
     inputs = keras.Input((6,))
     _save_and_reload(tmp_path, keras.Model(inputs, rbm(inputs)), rng.uniform(size=(3, 6)).astype("float32"))
-    with pytest.raises(ValueError, match="num_hidden=0"):
+    with pytest.raises(InputError, match="num_hidden=0"):
         BernoulliRBM(0)

@@ -7,6 +7,7 @@ from keras import ops
 from scipy import optimize
 
 from poecaps import routing
+from poecaps.errors import InputError
 from poecaps.routing import ConnectionistRouting, SimilarityRouting
 from poecaps.routing.similarity import compatibility
 
@@ -194,17 +195,17 @@ def test_connectionist_routing_matches_numpy_lstm(rng, iterations):
 def test_registered_by_name_and_validated():
     assert isinstance(routing.get("similarity", iterations=2), SimilarityRouting)
     assert isinstance(routing.get("connectionist", units=4), ConnectionistRouting)
-    with pytest.raises(ValueError, match="Received: num_kernels=0"):
+    with pytest.raises(InputError, match="Received: num_kernels=0"):
         SimilarityRouting(num_kernels=0)
-    with pytest.raises(ValueError, match="length_scales must be 2 positive"):
+    with pytest.raises(InputError, match="length_scales must be 2 positive"):
         SimilarityRouting(num_kernels=2, length_scales=[1.0])
-    with pytest.raises(ValueError, match="length_scales must be 2 positive.*Received: length_scales=1.0$"):
+    with pytest.raises(InputError, match="length_scales must be 2 positive.*Received: length_scales=1.0$"):
         SimilarityRouting(num_kernels=2, length_scales=1.0)     # one number, not one per kernel
-    with pytest.raises(ValueError, match="Received: entropy_weight=-1"):
+    with pytest.raises(InputError, match="Received: entropy_weight=-1"):
         SimilarityRouting(entropy_weight=-1)
-    with pytest.raises(ValueError, match="Received: units=0"):
+    with pytest.raises(InputError, match="Received: units=0"):
         ConnectionistRouting(units=0)
-    with pytest.raises(ValueError, match=r"compatibility_hidden\[1\] must be an integer >= 1. Received: compatibility_hidden\[1\]=0"):
+    with pytest.raises(InputError, match=r"compatibility_hidden\[1\] must be an integer >= 1. Received: compatibility_hidden\[1\]=0"):
         ConnectionistRouting(compatibility_hidden=(4, 0))
 
 

@@ -11,6 +11,7 @@ import scipy.stats
 import tensorflow as tf
 
 from poecaps import compositing, concrete
+from poecaps.errors import InputError
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
 
 
@@ -221,11 +222,11 @@ def test_config_round_trip_rebuilds_the_same_model():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match="num_top"):
+    with pytest.raises(InputError, match="num_top"):
         ProbabilisticCapsules(num_top=0)
-    with pytest.raises(ValueError, match="sigma"):
+    with pytest.raises(InputError, match="sigma"):
         ProbabilisticCapsules(sigma=0.0)
-    with pytest.raises(ValueError, match="image_size"):
+    with pytest.raises(InputError, match="image_size"):
         ProbabilisticCapsules(image_size=(28,))
 
 
@@ -362,11 +363,11 @@ def test_refine_ascends_each_images_own_bound():
     for key in start:
         np.testing.assert_allclose(moved[key][1:].numpy(), refined[key][1:].numpy(), rtol=1e-4, atol=1e-5)
         assert np.abs(moved[key][0].numpy() - refined[key][0].numpy()).max() > 1e-4
-    with pytest.raises(ValueError, match="steps"):
+    with pytest.raises(InputError, match="steps"):
         model.refine(images, -1)
-    with pytest.raises(ValueError, match="learning_rate"):
+    with pytest.raises(InputError, match="learning_rate"):
         model.refine(images, 3, learning_rate=0.0)
-    with pytest.raises(ValueError, match="optimizer"):
+    with pytest.raises(InputError, match="optimizer"):
         model.refine(images, 3, optimizer="rmsprop")
 
 
@@ -507,7 +508,7 @@ def test_the_vae_trains_saves_and_reloads(tmp_path):
     restored = keras.saving.load_model(path)
     for key, value in vae(images[:3]).items():
         np.testing.assert_allclose(restored(images[:3])[key].numpy(), value.numpy(), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="latent"):
+    with pytest.raises(InputError, match="latent"):
         VariationalAutoencoder(latent=0)
 
 
@@ -556,11 +557,11 @@ def test_the_specialisation_adds_the_weighted_information_to_the_training_object
     # bound ~ 1e2-1e3 nats in float32: the sum's rounding is ~1e-4 relative at most
     np.testing.assert_allclose(b["objective"].numpy(), b["bound"].numpy() + 7.0 * b["top_information"].numpy(),
                                rtol=1e-5)
-    with pytest.raises(ValueError, match="specialisation"):
+    with pytest.raises(InputError, match="specialisation"):
         ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=-1.0)
-    with pytest.raises(ValueError, match="specialisation"):
+    with pytest.raises(InputError, match="specialisation"):
         ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=float("nan"))
-    with pytest.raises(ValueError, match="specialisation"):
+    with pytest.raises(InputError, match="specialisation"):
         ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=True)
     assert ProbabilisticCapsuleAutoencoder(plain.generative, specialisation=np.float32(2.5)).specialisation == 2.5
     assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(weighted)).specialisation == 7.0
@@ -613,7 +614,7 @@ def test_the_prior_sparsity_weights_enter_the_training_objective_only():
                                rtol=1e-5)
     for name, bad in (("within_sparsity", -1.0), ("between_sparsity", float("inf")), ("sparsity_classes", 0.0),
                       ("within_sparsity", True)):
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(InputError, match=name):
             ProbabilisticCapsuleAutoencoder(plain.generative, **{name: bad})
     found = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(weighted))
     assert (found.within_sparsity, found.between_sparsity, found.sparsity_classes) == (2.0, 0.35, 4.0)
@@ -720,11 +721,11 @@ def test_images_of_another_size_are_refused_by_name():
     wrong = np.zeros((2, 28, 28, 1), "float32")
     message = r"ProbabilisticCapsuleAutoencoder takes images of shape \[batch, 12, 12, 1\]. Received: shape=\(2, 28"
     for use in (model, model.variational_parameters, lambda x: model.refine(x, 1), model.bound):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(InputError, match=message):
             use(wrong)
-    with pytest.raises(ValueError, match=r"shape=\(2, 12, 12\)"):
+    with pytest.raises(InputError, match=r"shape=\(2, 12, 12\)"):
         model(np.zeros((2, 12, 12), "float32"))
-    with pytest.raises(ValueError, match=r"VariationalAutoencoder takes images of shape \[batch, 6, 5, 1\]"):
+    with pytest.raises(InputError, match=r"VariationalAutoencoder takes images of shape \[batch, 6, 5, 1\]"):
         vae.bound(wrong)
 
 
@@ -791,5 +792,5 @@ def test_localisation_takes_the_attention_entropies_from_the_training_objective_
     grad = tape.gradient(penalty, local.part_head.kernel)
     assert grad is not None and np.abs(grad.numpy()).max() > 1e-4
     assert ProbabilisticCapsuleAutoencoder.from_config(local.get_config()).localisation == 0.5
-    with pytest.raises(ValueError, match="localisation"):
+    with pytest.raises(InputError, match="localisation"):
         ProbabilisticCapsuleAutoencoder(generative, localisation=-1.0, **sizes)

@@ -42,7 +42,7 @@ def test_a_resumed_baseline_keeps_its_settings_and_a_bad_value_is_refused(tmp_pa
     assert config == dataclasses.replace(presets.get("baseline", "hinton2018-small"), epochs=5, seed=1,
                                          learning_rate=1e-4)
     assert record["preset"] == "hinton2018-small"
-    with pytest.raises(ValueError, match="epochs"):
+    with pytest.raises(InputError, match="epochs"):
         config_to_resume(run, "baseline", None, {"epochs": 0})
 
 

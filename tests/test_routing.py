@@ -6,6 +6,7 @@ import pytest
 from keras import ops
 
 from poecaps import routing
+from poecaps.errors import InputError
 from poecaps.routing import DynamicRouting, RoutingResult
 
 
@@ -158,7 +159,7 @@ def test_every_router_sums_its_coefficients_over_the_axis_it_declares(rng, name)
     ({"normalize": "rows"}, "normalize='rows'"),
 ])
 def test_invalid_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         DynamicRouting(**kwargs)
 
 
@@ -169,7 +170,7 @@ def test_get_resolves_names_configs_and_instances():
     assert routing.get(layer) is layer
     clone = routing.get(keras.saving.serialize_keras_object(layer))
     assert clone.get_config() == layer.get_config()
-    with pytest.raises(ValueError, match="routing='nope'"):
+    with pytest.raises(InputError, match="routing='nope'"):
         routing.get("nope")
 
 

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense
 from poecaps.models import RoutingCapsNet
@@ -94,13 +95,13 @@ def test_every_routing_weight_gets_a_gradient(rng, routing):
 
 
 def test_invalid_arguments():
-    with pytest.raises(ValueError, match="Received: loss='hinge'"):
+    with pytest.raises(InputError, match="Received: loss='hinge'"):
         RoutingCapsNet((28, 28, 1), 10, loss="hinge")
-    with pytest.raises(ValueError, match="Received: logit_scale=0"):
+    with pytest.raises(InputError, match="Received: logit_scale=0"):
         RoutingCapsNet((28, 28, 1), 10, loss="scaled_cross_entropy", logit_scale=0)
-    with pytest.raises(ValueError, match="one router per capsule layer"):
+    with pytest.raises(InputError, match="one router per capsule layer"):
         RoutingCapsNet((28, 28, 1), 10, routing=["uniform", "uniform"])
-    with pytest.raises(ValueError, match="Unknown routing"):
+    with pytest.raises(InputError, match="Unknown routing"):
         RoutingCapsNet((28, 28, 1), 10, routing="magic")
 
 

@@ -4,6 +4,7 @@ import pytest
 from keras import ops
 
 from poecaps import metrics, samplers
+from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
 from poecaps.models import CapsulePipeline
@@ -58,7 +59,7 @@ def test_pose_second_moments_against_numpy_unsquash(rng):
     upper = (sq / (1 + sq) * z / np.sqrt(sq)).astype("float32")      # squash, written out
     expected = np.einsum("njd,nje->jde", z, z) / len(z)
     np.testing.assert_allclose(metrics.pose_second_moments(upper), expected, rtol=2e-3, atol=1e-4)
-    with pytest.raises(ValueError, match="N, J, D"):
+    with pytest.raises(InputError, match="N, J, D"):
         metrics.pose_second_moments(upper[0])
 
 
@@ -81,7 +82,7 @@ def test_principal_share_hand_computed():
     np.testing.assert_allclose(metrics.principal_share(moments), [0.8, 1 / 3, 1.0])
     rotation = np.linalg.qr(np.arange(9.0).reshape(3, 3) + np.eye(3))[0]
     np.testing.assert_allclose(metrics.principal_share(rotation @ moments[:1] @ rotation.T), [0.8])
-    with pytest.raises(ValueError, match="J, D, D"):
+    with pytest.raises(InputError, match="J, D, D"):
         metrics.principal_share(np.eye(3))
 
 
@@ -108,12 +109,12 @@ def test_rbm_sampler(rng):
 
 
 def test_unknown_sampler():
-    with pytest.raises(ValueError, match="name='gibbs'"):
+    with pytest.raises(InputError, match="name='gibbs'"):
         samplers.get("gibbs")
 
 
 def test_sampler_rejects_zero_rows(pipeline):
-    with pytest.raises(ValueError, match="rows=0"):
+    with pytest.raises(InputError, match="rows=0"):
         samplers.CapsuleSampler(pipeline).sample(rows=0)
 
 
@@ -148,7 +149,7 @@ def test_class_selectivity_hand_computed():
     np.testing.assert_allclose(result["spread"], [0.8 - 0.2, 0.0], atol=1e-12)
     np.testing.assert_allclose(result["mean_spread"], 0.3, atol=1e-12)
     assert result["classes_preferred"] == 2
-    with pytest.raises(ValueError, match="activity"):
+    with pytest.raises(InputError, match="activity"):
         metrics.class_selectivity(activity[:, 0], labels, classes=4)
 
 
@@ -162,7 +163,7 @@ def test_keep_longest_hand_computed():
     two = metrics.keep_longest(upper, k=2)
     np.testing.assert_array_equal(two[0], [[0, 0], [0, 0.5], [0.4, 0]])
     np.testing.assert_array_equal(two[1], [[0.6, 0], [0, 0], [0, -0.2]])
-    with pytest.raises(ValueError, match="k="):
+    with pytest.raises(InputError, match="k="):
         metrics.keep_longest(upper, k=4)
 
 
@@ -180,7 +181,7 @@ def test_longest_capsule_clusters_hand_computed():
     np.testing.assert_allclose(result["overall_purity"], 4 / 5)
     np.testing.assert_allclose(result["mean_purity"], (2 / 3 + 1.0) / 2)   # capsule 1 wins none
     assert result["classes_covered"] == 2
-    with pytest.raises(ValueError, match="lengths"):
+    with pytest.raises(InputError, match="lengths"):
         metrics.longest_capsule_clusters(lengths, labels[:4], classes=3)
 
 
@@ -189,7 +190,7 @@ def test_principal_axes_point_to_the_mean_direction_side():
     directions = np.array([[-0.6, 0.8], [0.6, 0.8]])
     np.testing.assert_allclose(metrics.principal_axes(moments, directions), [[-1.0, 0.0], [0.0, 1.0]],
                                atol=1e-12)
-    with pytest.raises(ValueError, match="directions"):
+    with pytest.raises(InputError, match="directions"):
         metrics.principal_axes(moments, directions[:1])
 
 
@@ -222,9 +223,9 @@ def test_winning_side_axes_hand_computed():
     # Given moments are used as given: capsule 0's axis from a moment along e2.
     moments = np.stack([np.diag([1.0, 4.0]), np.outer(d, d), np.eye(2) + np.diag([0.0, 1.0])])
     np.testing.assert_allclose(metrics.winning_side_axes(upper, moments)[0], [0.0, 1.0], atol=1e-12)
-    with pytest.raises(ValueError, match="moments"):
+    with pytest.raises(InputError, match="moments"):
         metrics.winning_side_axes(upper, moments[:2])
-    with pytest.raises(ValueError, match="upper capsules"):
+    with pytest.raises(InputError, match="upper capsules"):
         metrics.winning_side_axes(upper[:, 0])
 
 
@@ -236,10 +237,10 @@ def test_restricted_domain_on_the_winning_side(pipeline, rng):
     mean = sampler.sample(rows=200, domain="restricted")["draws"]
     np.testing.assert_allclose(np.abs(winning), np.abs(mean))       # only signs differ
     assert np.any(winning != mean)
-    with pytest.raises(ValueError, match="domain"):
+    with pytest.raises(InputError, match="domain"):
         sampler.sample(rows=2, domain="median")
     pipeline.winning_axes = None
-    with pytest.raises(ValueError, match="winning_axes"):
+    with pytest.raises(InputError, match="winning_axes"):
         sampler.sample(rows=2, domain="winning")
 
 
@@ -263,7 +264,7 @@ def test_longest_capsule_side_clusters_hand_computed():
     # Unsigned, capsule 0's images mix classes 2, 1, 1, 2.
     np.testing.assert_allclose(metrics.longest_capsule_clusters(
         np.linalg.norm(upper, axis=-1), labels, 3)["purity"][0], 0.5)
-    with pytest.raises(ValueError, match="axes"):
+    with pytest.raises(InputError, match="axes"):
         metrics.longest_capsule_side_clusters(upper, labels, 3, axes=np.eye(3))
 
 
@@ -332,9 +333,9 @@ def test_probe_penalty_is_the_best_mean_fold_accuracy_largest_on_ties(rng):
     clean = np.eye(3)[labels] * 3 + rng.normal(size=(90, 3)) * 0.1
     tie = metrics.probe_penalty(clean, labels, (1e-4, 1e-1, 1e-2), folds=3)
     assert tie["accuracy"] == [1.0, 1.0, 1.0] and tie["penalty"] == 1e-1
-    with pytest.raises(ValueError, match="folds"):
+    with pytest.raises(InputError, match="folds"):
         metrics.probe_penalty(clean, labels, folds=1)
-    with pytest.raises(ValueError, match="penalties"):
+    with pytest.raises(InputError, match="penalties"):
         metrics.probe_penalty(clean, labels, penalties=(-1.0,))
 
 
@@ -351,7 +352,7 @@ def test_kmeans_recovers_separated_blobs_and_matches_a_plain_lloyd_step(rng):
     # At convergence every point is nearest its own centroid (written out).
     distances = np.array([[np.sum((p - c) ** 2) for c in centroids] for p in points])
     np.testing.assert_array_equal(assignment, np.argmin(distances, axis=1))
-    with pytest.raises(ValueError, match="k="):
+    with pytest.raises(InputError, match="k="):
         metrics.kmeans(points, 301)
 
 
@@ -362,7 +363,7 @@ def test_cluster_purity_hand_computed():
     np.testing.assert_allclose(result["purity"][:3], [2 / 3, 1.0, 1.0])
     np.testing.assert_allclose(result["overall_purity"], 5 / 6)
     assert result["classes_covered"] == 2
-    with pytest.raises(ValueError, match="assignment"):
+    with pytest.raises(InputError, match="assignment"):
         metrics.cluster_purity(np.array([0, 1]), np.array([0]), 2, 2)
 
 
@@ -371,7 +372,7 @@ def test_mean_directions_hand_computed():
     # capsule 0: unit poses (0.6, 0.8) and (0, 1), mean (0.3, 0.9); capsule 1: (0, -1) and (1, 0)
     expected = np.array([[0.3, 0.9] / np.sqrt(0.9), [0.5, -0.5] / np.sqrt(0.5)])
     np.testing.assert_allclose(metrics.mean_directions(upper), expected, rtol=1e-9)
-    with pytest.raises(ValueError, match="N, J, D"):
+    with pytest.raises(InputError, match="N, J, D"):
         metrics.mean_directions(upper[0])
 
 
@@ -382,5 +383,5 @@ def test_hoyer_sparsity_by_hand():
     # [1, 1, 0, 0]: |s|_1 / |s|_2 = 2 / sqrt(2), so (2 - sqrt(2)) / (2 - 1); the mean with an all-equal vector
     half = 2.0 - np.sqrt(2.0)
     assert metrics.hoyer_sparsity(np.array([[1.0, 1.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])) == pytest.approx(half / 2)
-    with pytest.raises(ValueError, match="at least 2 entries. Received shape"):
+    with pytest.raises(InputError, match="at least 2 entries. Received shape"):
         metrics.hoyer_sparsity(np.ones((4, 1)))

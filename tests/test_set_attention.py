@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.layers import AttentionPooling, InducedSetAttention, MultiheadAttentionBlock
 
 ATOL = 2e-5
@@ -127,12 +128,12 @@ def test_sets_of_any_size(rng):
     (lambda: AttentionPooling(seeds=-1), "Received: seeds=-1"),
 ])
 def test_bad_sizes_are_refused(make, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         make()
 
 
 def test_residual_width_is_checked():
-    with pytest.raises(ValueError, match=r"`units` = 8 features.*Received: shape=\(2, 5, 4\)"):
+    with pytest.raises(InputError, match=r"`units` = 8 features.*Received: shape=\(2, 5, 4\)"):
         InducedSetAttention(units=8, heads=2, inducing=3)(np.zeros((2, 5, 4), "float32"))
 
 

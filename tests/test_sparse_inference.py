@@ -11,6 +11,7 @@ import pytest
 from keras import ops
 
 from poecaps import inference
+from poecaps.errors import InputError
 from poecaps.models import CapsNet
 from poecaps.routing import DynamicRouting, SparseInferenceRouting
 
@@ -126,11 +127,11 @@ def test_config_round_trip_and_bad_arguments():
     router = SparseInferenceRouting(iterations=40, learning_rate=0.05, l1=0.3, normalize="children")
     clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(router))
     assert clone.get_config() == router.get_config()
-    with pytest.raises(ValueError, match="Received: learning_rate=0"):
+    with pytest.raises(InputError, match="Received: learning_rate=0"):
         SparseInferenceRouting(learning_rate=0)
-    with pytest.raises(ValueError, match="Received: l1=-1"):
+    with pytest.raises(InputError, match="Received: l1=-1"):
         SparseInferenceRouting(l1=-1)
-    with pytest.raises(ValueError, match="Received: penalty='l3'"):
+    with pytest.raises(InputError, match="Received: penalty='l3'"):
         inference.toy_states("l3", "full")
 
 

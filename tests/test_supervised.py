@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.experiments.baselines import train_shards
 from poecaps.experiments.configs import BaselineConfig
 from poecaps.models import CapsNet, MatrixCapsNet, RoutingCapsNet
@@ -147,7 +148,7 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
                       "conv_types": 2}, r"need at least 17 x 17 pixels"),
 ])
 def test_invalid_arguments(make, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         make(**kwargs)
 
 
@@ -166,7 +167,7 @@ def test_the_smallest_image_allowed_runs_and_sizes_are_stored_as_int(make, kwarg
 
 @pytest.mark.parametrize("kwargs, message", [({"shards": 0}, "shards=0"), ({"max_shift": -1}, "max_shift=-1")])
 def test_invalid_trainer_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         SupervisedTrainer(_tiny_capsnet(), **kwargs)
 
 

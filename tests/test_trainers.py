@@ -126,7 +126,7 @@ def test_section41_rule_matches_the_printed_equation(rng):
     np.testing.assert_allclose(ops.convert_to_numpy(grads[0]), expected, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(ops.convert_to_numpy(stats["code_error"]),
                                np.mean((z_data - z_model) ** 2, axis=(1, 2)), rtol=1e-4)
-    with pytest.raises(ValueError, match="rule must be one of"):
+    with pytest.raises(InputError, match="rule must be one of"):
         decoder.decoder_gradients(upper, lower, "clamped")
 
 
@@ -144,7 +144,7 @@ def test_delta_rule_trainer_fits_a_teacher_decoder(rng):
     assert errors[-1] < 0.2 * errors[0]
     with pytest.raises(InputError, match=r"\(upper, lower\) pairs"):
         trainer.check_inputs(upper)
-    with pytest.raises(ValueError, match="rule must be one of"):
+    with pytest.raises(InputError, match="rule must be one of"):
         DecoderTrainer(student, "clamped")
 
 
@@ -280,12 +280,12 @@ def test_sharding_is_refused_for_a_model_that_draws_random_numbers():
     ({"shards": 0}, "shards=0"), ({"shards": 1.5}, "shards=1.5"),
     ({"steps": 0}, "steps=0"), ({"l2": -1.0}, "l2=-1.0"), ({"persistent": True}, "chain_shape=None")])
 def test_cd_trainer_invalid_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputError, match=message):
         CDTrainer(BernoulliRBM(2), **kwargs)
 
 
 def test_default_optimizer_rejects_non_positive_learning_rate():
-    with pytest.raises(ValueError, match="learning_rate=-0.1"):
+    with pytest.raises(InputError, match="learning_rate=-0.1"):
         default_optimizer(-0.1)
 
 
@@ -395,11 +395,11 @@ def test_each_setting_reaches_its_stages_trainer(tmp_path, rng, monkeypatch, sta
 def test_sparsity_arguments_are_checked(rng):
     layer = _experts(4, 2, 2, 3)
     x = _capsules(rng, 2, 4, 2)
-    with pytest.raises(ValueError, match=r"^sparsity target must be a finite number > 0 and < 1\. Received: sparsity target=1\.5$"):
+    with pytest.raises(InputError, match=r"^sparsity target must be a finite number > 0 and < 1\. Received: sparsity target=1\.5$"):
         layer.cd_gradients(x, sparsity=(1.5, 0.1))
-    with pytest.raises(ValueError, match=r"^sparsity cost must be a finite number >= 0\. Received: sparsity cost=-1\.0$"):
+    with pytest.raises(InputError, match=r"^sparsity cost must be a finite number >= 0\. Received: sparsity cost=-1\.0$"):
         CDTrainer(layer, sparsity_cost=-1.0)
-    with pytest.raises(ValueError, match=r"^population sparsity cost must be a finite number >= 0\."):
+    with pytest.raises(InputError, match=r"^population sparsity cost must be a finite number >= 0\."):
         CDTrainer(layer, population_sparsity_cost=-1.0)
     with pytest.raises(InputError, match=r"sparsity must be \(target, cost\)"):
         layer.cd_gradients(x, sparsity=(0.1,))

@@ -115,7 +115,7 @@ class CDTrainer(keras.Model):
                              f"concurrent shards would share; use shards=1. Received: shards={shards}")
         l2 = check_number(l2, "l2", minimum=0)
         if persistent and chain_shape is None:
-            raise ValueError("Persistent CD needs the chains' shape. Received: chain_shape=None")
+            raise InputError("Persistent CD needs the chains' shape. Received: chain_shape=None")
         if persistent and distribute.num_replicas() > 1:
             raise InputError("Persistent chains live on one device; use CD-k (persistent=False) under a "
                              f"strategy with {distribute.num_replicas()} replicas. Received: persistent=True")

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from poecaps.errors import CheckpointError
+from poecaps.errors import CheckpointError, InputError
 from poecaps.trainers.schedule import learning_rate_scale
 
 _PATTERN = re.compile(r"ckpt-(\d{9})\.npz$")
@@ -73,7 +73,7 @@ class CheckpointManager:
 
     def __init__(self, directory, keep=3, config=None, log=print):
         if keep < 2:
-            raise ValueError(f"keep must be >= 2. Received: keep={keep}")
+            raise InputError(f"keep must be >= 2. Received: keep={keep}")
         self.directory = directory
         self.keep = keep
         self.config = config or {}

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import distribute
+from poecaps.errors import InputError
 from poecaps.validation import check_integers, check_number
 
 
@@ -50,7 +51,7 @@ class ConvAutoencoder(keras.layers.Layer):
         h1, w1 = h - k + 1, w - k + 1
         h2, w2 = (h1 - k) // s + 1, (w1 - k) // s + 1
         if h2 < 1 or w2 < 1:
-            raise ValueError(
+            raise InputError(
                 f"Images of {h}x{w} are too small for two valid {k}x{k} convolutions. "
                 f"Received: input_shape={input_shape}")
         self.image_shape = (h, w, c)

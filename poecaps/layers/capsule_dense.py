@@ -5,6 +5,7 @@ from keras import ops
 
 from poecaps import routing as routing_lib
 from poecaps.constraints import IsometricPoses
+from poecaps.errors import InputError
 from poecaps.validation import check_choice, check_integers
 
 POSES = ("vector", "matrix")
@@ -15,7 +16,7 @@ def pose_size(capsule_dim, pose):
     check_choice(pose, "pose", POSES)
     side = round(capsule_dim ** 0.5)
     if pose == "matrix" and side * side != capsule_dim:
-        raise ValueError(
+        raise InputError(
             f"matrix poses need a square capsule_dim (16 for 4x4). Received: capsule_dim={capsule_dim}")
     return side
 
@@ -24,7 +25,7 @@ def kernel_shape(num_in, num_out, out_dim, in_dim, pose):
     """Shape of the transformation matrices: `[I, J, D_out, D_in]` or `[I, J, P, P]`."""
     if pose == "matrix":
         if in_dim != out_dim:
-            raise ValueError(
+            raise InputError(
                 f"matrix capsules keep their pose size; input capsules have {in_dim} dimensions. "
                 f"Received: capsule_dim={out_dim}")
         side = pose_size(in_dim, pose)
@@ -109,12 +110,12 @@ class CapsuleDense(keras.layers.Layer):
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.frobenius_votes = frobenius_votes
         if pose == "matrix" and isinstance(self.kernel_constraint, IsometricPoses):
-            raise ValueError("IsometricPoses constrains vector-pose maps [I, J, D_out, D_in]. "
+            raise InputError("IsometricPoses constrains vector-pose maps [I, J, D_out, D_in]. "
                              "Received: pose='matrix'")
 
     def build(self, input_shape):
         if len(input_shape) != 3:
-            raise ValueError(
+            raise InputError(
                 f"CapsuleDense expects inputs of shape [batch, num_in, in_dim]. "
                 f"Received: input_shape={input_shape}")
         _, num_in, in_dim = input_shape

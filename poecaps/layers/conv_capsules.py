@@ -10,6 +10,7 @@ from keras import ops
 
 from poecaps import routing as routing_lib
 from poecaps.chunks import map_in_chunks
+from poecaps.errors import InputError
 from poecaps.layers.capsule_dense import (
     capsule_votes,
     frobenius_normalized,
@@ -22,7 +23,7 @@ from poecaps.validation import check_integer, check_integers
 
 def _check_capsule_map(input_shape, layer):
     if len(input_shape) != 5:
-        raise ValueError(
+        raise InputError(
             f"{layer} expects capsule maps of shape [batch, height, width, types, dim]. "
             f"Received: input_shape={tuple(input_shape)}")
 
@@ -32,7 +33,7 @@ def capsule_patches(x, kernel_size, strides):
     h, w = x.shape[1], x.shape[2]
     out_h, out_w = (h - kernel_size) // strides + 1, (w - kernel_size) // strides + 1
     if out_h < 1 or out_w < 1:
-        raise ValueError(
+        raise InputError(
             f"kernel_size {kernel_size} does not fit a {h}x{w} capsule map. "
             f"Received: kernel_size={kernel_size}")
     patches = [x[:, dy:dy + strides * (out_h - 1) + 1:strides,

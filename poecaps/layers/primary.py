@@ -3,6 +3,7 @@
 import keras
 
 from poecaps.capsules import primary_capsules, squash
+from poecaps.errors import InputError
 from poecaps.validation import check_integer
 
 
@@ -28,7 +29,7 @@ class PrimaryCapsules(keras.layers.Layer):
 
     def build(self, input_shape):
         if input_shape[-1] % self.capsule_dim:
-            raise ValueError(
+            raise InputError(
                 f"capsule_dim must divide the channels ({input_shape[-1]}). "
                 f"Received: capsule_dim={self.capsule_dim}")
 

@@ -12,13 +12,14 @@ vectors. Every block is permutation-equivariant in X (PMA invariant).
 import keras
 from keras import ops
 
+from poecaps.errors import InputError
 from poecaps.validation import check_integers
 
 
 def _check_width(shape, units, layer):
     """The queries X must have `units` features: the residual adds X to the attention's output."""
     if shape[-1] is not None and shape[-1] != units:
-        raise ValueError(f"{type(layer).__name__} {layer.name!r}: x must have `units` = {units} features "
+        raise InputError(f"{type(layer).__name__} {layer.name!r}: x must have `units` = {units} features "
                          f"(the residual adds it to the attention's output). Received: shape={tuple(shape)}")
 
 
@@ -56,7 +57,7 @@ class MultiheadAttentionBlock(keras.layers.Layer):
         super().__init__(**kwargs)
         units, heads = check_integers(units=units, heads=heads)
         if units % heads:
-            raise ValueError(f"units must be a multiple of heads. Received: units={units}, heads={heads}")
+            raise InputError(f"units must be a multiple of heads. Received: units={units}, heads={heads}")
         self.units, self.heads = units, heads
         self.attention = keras.layers.MultiHeadAttention(heads, units // heads, name="attention")
         self.norm1 = keras.layers.LayerNormalization(name="norm1")

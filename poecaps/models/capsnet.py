@@ -13,7 +13,7 @@ from poecaps.validation import check_integer, check_integers
 
 
 def check_classifier_arguments(image_shape, num_classes, convolutions=()):
-    """Return `num_classes` as an int; `ValueError` unless it is an integer >= 2, `image_shape` is (H, W, C),
+    """Return `num_classes` as an int; `InputError` unless it is an integer >= 2, `image_shape` is (H, W, C),
     and H and W leave at least one position after the network's unpadded `convolutions` ((kernel, stride)
     pairs, bottom up).
 
@@ -21,7 +21,7 @@ def check_classifier_arguments(image_shape, num_classes, convolutions=()):
     leaves one position is found top down: n_in = (n_out - 1) * stride + kernel, from n_out = 1.
     """
     if len(image_shape) != 3 or min(image_shape) <= 0:
-        raise ValueError(f"image_shape must be (height, width, channels). Received: image_shape={image_shape}")
+        raise InputError(f"image_shape must be (height, width, channels). Received: image_shape={image_shape}")
     num_classes = check_integer(num_classes, "num_classes", minimum=2)
     side = 1
     for kernel, stride in reversed(convolutions):
@@ -123,7 +123,7 @@ class CapsNet(keras.Model):
     def reconstruct(self, poses, classes):
         """Decode the class capsules masked to `classes` (`[B]` integers)."""
         if self.decoder is None:
-            raise ValueError("This CapsNet was built with reconstruction=False; it has no decoder.")
+            raise InputError("This CapsNet was built with reconstruction=False; it has no decoder.")
         mask = ops.one_hot(ops.cast(classes, "int32"), self.num_classes, dtype=poses.dtype)
         return self.decoder(ops.reshape(poses * mask[..., None], (-1, self.num_classes * self.class_dim)))
 

@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from poecaps import vmf
+from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
 from poecaps.validation import check_integer, check_number
 
@@ -88,7 +89,7 @@ class GenerativeCapsules(keras.layers.Layer):
     def build(self, children_shape, activations_shape=None):
         num_in = children_shape[1]
         if children_shape[-1] != self.child_dim:
-            raise ValueError(f"children must have {self.child_dim} dimensions. Received: shape={children_shape}")
+            raise InputError(f"children must have {self.child_dim} dimensions. Received: shape={children_shape}")
         pairs = (num_in, self.num_parents)
         self.maps = self.add_weight(
             name="maps", shape=(*pairs, self.child_dim, self.parent_dim),
@@ -109,13 +110,13 @@ class GenerativeCapsules(keras.layers.Layer):
 
     def _check_children_shape(self, shape):
         if len(shape) != 3 or shape[-1] != self.child_dim:
-            raise ValueError(f"children must be [batch, children, {self.child_dim}]. Received: shape={shape}")
+            raise InputError(f"children must be [batch, children, {self.child_dim}]. Received: shape={shape}")
         if self.built and shape[1] is not None and shape[1] != self.maps.shape[0]:
-            raise ValueError(f"this layer was built for {self.maps.shape[0]} children. Received: shape={shape}")
+            raise InputError(f"this layer was built for {self.maps.shape[0]} children. Received: shape={shape}")
 
     def _require_built(self):
         if not self.built:
-            raise ValueError("GenerativeCapsules has no weights yet: the number of children fixes them. Call the "
+            raise InputError("GenerativeCapsules has no weights yet: the number of children fixes them. Call the "
                              "layer (or `infer`) on children, or `build((None, children, child_dim))`, first.")
 
     # --- the model ---------------------------------------------------------------------------

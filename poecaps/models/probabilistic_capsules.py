@@ -60,6 +60,7 @@ import numpy as np
 import tensorflow as tf
 
 from poecaps import compositing, concrete
+from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
 from poecaps.validation import check_integers, check_number
 
@@ -84,7 +85,7 @@ class ProbabilisticCapsules(keras.layers.Layer):
         super().__init__(**kwargs)
         image_size = tuple(int(s) for s in image_size)
         if len(image_size) != 2 or min(image_size) < 1:
-            raise ValueError(f"image_size must be (height, width) >= 1. Received: image_size={image_size!r}")
+            raise InputError(f"image_size must be (height, width) >= 1. Received: image_size={image_size!r}")
         num_top, num_parts, template_size = check_integers(num_top=num_top, num_parts=num_parts,
                                                            template_size=template_size)
         positive = lambda value, name: check_number(value, name, above=0)

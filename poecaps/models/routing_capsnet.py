@@ -7,6 +7,7 @@ from keras import ops
 
 from poecaps import losses
 from poecaps import routing as routing_lib
+from poecaps.errors import InputError
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
@@ -149,7 +150,7 @@ class RoutingCapsNet(keras.Model):
         else:
             routers = [routing_lib.get(r) for r in routing]
             if len(routers) != 3:
-                raise ValueError(f"routing needs one router per capsule layer (3). Received: {len(routers)}")
+                raise InputError(f"routing needs one router per capsule layer (3). Received: {len(routers)}")
         init = lambda k: NearIdentity(0.1, seed=seed + k)
         conv_init = lambda k: keras.initializers.GlorotUniform(seed=seed + k)
         self.conv1 = keras.layers.Conv2D(filters, 5, strides=2, activation="relu", kernel_initializer=conv_init(0),

@@ -12,6 +12,7 @@ dict, or a `Routing` instance; `names()` lists the names.
 
 import keras
 
+from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.routing.connectionist import ConnectionistRouting
 from poecaps.routing.dynamic import DynamicRouting
@@ -47,7 +48,7 @@ def get(identifier, **kwargs):
         return keras.saving.deserialize_keras_object(identifier)
     if isinstance(identifier, str) and identifier.lower() in _REGISTRY:
         return _REGISTRY[identifier.lower()](**kwargs)
-    raise ValueError(
+    raise InputError(
         f"Unknown routing {identifier!r}; expected one of {names()} or a Routing "
         f"instance. Received: routing={identifier!r}"
     )

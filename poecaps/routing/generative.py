@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from poecaps import vmf
+from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.validation import check_number
 
@@ -79,7 +80,7 @@ class GenerativeRouting(Routing):
 
     def build(self, votes_shape, activations_shape=None):
         if votes_shape[-1] is not None and votes_shape[-1] < 2:
-            raise ValueError(f"votes need at least 2 dimensions. Received: shape={votes_shape}")
+            raise InputError(f"votes need at least 2 dimensions. Received: shape={votes_shape}")
         per_parent = lambda name, value: self.add_weight(name=name, shape=(votes_shape[2],),
                                                          initializer=keras.initializers.Constant(value))
         self.log_kappa = per_parent("log_kappa", math.log(self.kappa))
