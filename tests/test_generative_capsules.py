@@ -282,6 +282,31 @@ def test_the_trainer_raises_the_bound_on_children_of_another_layer(rng):
         GenerativeCapsuleTrainer(student, iterations=0)
 
 
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_evaluate_and_a_call_infer_with_the_trainers_iterations(rng, iterations):
+    """evaluate() reports the bound at the parents that `iterations` EM iterations find, as training does,
+    not at the layer's own em_iterations (20 here); the bound computed here from the layer's own pieces."""
+    from poecaps.trainers.generative import GenerativeCapsuleTrainer
+
+    layer = _layer(seed=2, em_iterations=20)
+    children = _layer(seed=1).generate(rng.normal(size=(8, 3, 4)), seed=[7, 8])[0].numpy()
+    trainer = GenerativeCapsuleTrainer(layer, iterations=iterations, dtype="float64")
+    trainer.compile(optimizer=keras.optimizers.SGD(0.0))
+
+    def bound(k):
+        found = layer.infer(children, iterations=k)
+        return np.mean(layer.log_joint(children, found.poses, found.coefficients).numpy()) / children.shape[1]
+
+    reported = trainer.evaluate(children, batch_size=len(children), verbose=0, return_dict=True)["bound_per_child"]
+    # The inferences run in float64; Keras' Mean metric keeps its total in float32, so the reported bound
+    # carries a float32 rounding or two (relative 2**-24 each). The bounds at `iterations` and at 20
+    # iterations differ by far more (checked, so the test can tell them apart).
+    assert abs(bound(iterations) - bound(20)) > 1e-3
+    assert reported == pytest.approx(bound(iterations), rel=1e-6)
+    called = trainer(children).poses.numpy()
+    np.testing.assert_allclose(called, layer.infer(children, iterations=iterations).poses.numpy(), rtol=1e-9, atol=1e-12)
+
+
 def test_the_trainer_weighs_each_child_by_its_length_when_asked(rng):
     """child_weights="lengths": a child of length 0 moves neither the M-step of G nor the inferred parents."""
     from poecaps.trainers.generative import GenerativeCapsuleTrainer
@@ -293,7 +318,7 @@ def test_the_trainer_weighs_each_child_by_its_length_when_asked(rng):
     turned[:, 0] = 1e-9 * rng.normal(size=(16, 5))       # ... or present at length 1e-9, another direction
     for weights in ("uniform", "lengths"):
         student = _layer(seed=2)
-        trainer = GenerativeCapsuleTrainer(student, iterations=3, child_weights=weights, dtype="float64")
+        trainer = GenerativeCapsuleTrainer(student, iterations=20, child_weights=weights, dtype="float64")
         trainer.compile(optimizer=keras.optimizers.SGD(1e-3), run_eagerly=True)
         moved = np.abs(trainer(turned).poses.numpy() - trainer(children).poses.numpy()).max()
         before = student.maps.numpy()

@@ -30,15 +30,18 @@ class GenerativeCapsuleTrainer(keras.Model):
     of the parameters. Both steps weigh child i by `a_i` (`child_activations`):
     alike, or by its length. Metrics: `bound_per_child` (the bound over the
     batch's children, weighted) and `coefficient_entropy` (of r over the
-    parents, over log J, every child alike).
+    parents, over log J, every child alike). `test_step` (`evaluate`) and a
+    call infer the parents as `train_step` does, with `iterations` EM
+    iterations (not the layer's own `em_iterations`), so the bound they
+    report is the one training raises.
 
     Args:
         layer: a `poecaps.models.GenerativeCapsules`.
-        iterations: EM iterations of the inference in each training step.
+        iterations: EM iterations of every inference: training steps, `evaluate` and calls.
         child_weights: "uniform" or "lengths" (`CHILD_WEIGHTS`).
 
     Call arguments:
-        children: `[B, I, D_c]`; returns `layer.infer(children, a)`.
+        children: `[B, I, D_c]`; returns `layer.infer(children, a, iterations)`.
     """
 
     def __init__(self, layer, iterations=10, child_weights="uniform", **kwargs):
@@ -54,7 +57,8 @@ class GenerativeCapsuleTrainer(keras.Model):
         return [self.bound_tracker, self.entropy_tracker]
 
     def call(self, children, training=None):
-        return self.layer.infer(children, child_activations(children, self.child_weights))
+        a = child_activations(children, self.child_weights)
+        return self.layer.infer(children, a, iterations=self.iterations)
 
     def _statistics(self, children, a, v, r):
         bound = self.layer.log_joint(children, v, r, a)
@@ -80,7 +84,7 @@ class GenerativeCapsuleTrainer(keras.Model):
     def test_step(self, data):
         children = data[0] if isinstance(data, tuple) else data
         a = child_activations(children, self.child_weights)
-        found = self.layer.infer(children, a)
+        found = self.layer.infer(children, a, iterations=self.iterations)
         per_child, entropy = self._statistics(children, a, found.poses, found.coefficients)
         self.bound_tracker.update_state(per_child)
         self.entropy_tracker.update_state(entropy)
