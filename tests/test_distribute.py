@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from poecaps import distribute
+from poecaps import distribute, routing
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
 from poecaps.models import CapsNet, MatrixCapsNet
@@ -97,6 +97,36 @@ def test_mixed_precision_trains_with_float32_routing(rng, policy, make, size):
     assert keras.backend.standardize_dtype(result.coefficients.dtype) == "float32"
     if policy == "mixed_float16":
         assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("name", routing.names())
+def test_every_routing_routes_in_float32_under_a_mixed_policy(rng, policy, name):
+    """A router made under a mixed policy, handed votes in the low precision (as a capsule layer computes
+    them), routes them in float32: its weights are neither stored nor read in the low precision.
+
+    Reference: the same router and weights made under float32, given the same votes and activations in float32.
+    Both then run the same float32 operations on the same numbers, so they agree to float32 rounding (a few
+    1e-7, grown a little by the rounds). Weights read in the low precision (Keras' autocast) move the result
+    by their rounding, about 1e-3 of it (float16) or 1e-2 (bfloat16), and sublayers computing in it fail on
+    mixed dtypes, as the connectionist router's networks did.
+    """
+    votes = rng.normal(size=(2, 6, 3, 4)).astype("float32")
+    activations = rng.uniform(0.1, 1.0, size=(2, 6)).astype("float32")
+    low = policy.split("_")[1]
+    rounded, rounded_activations = (ops.convert_to_numpy(ops.cast(ops.cast(x, low), "float32"))
+                                    for x in (votes, activations))
+    with distribute.precision_policy(policy):
+        mixed = routing.get(name)
+        found = mixed(ops.cast(votes, low), ops.cast(activations, low))
+    plain = routing.get(name)
+    plain(rounded, rounded_activations)
+    plain.set_weights(mixed.get_weights())
+    expected = plain(rounded, rounded_activations)
+    for field, got, want in zip(expected._fields, found, expected):
+        assert keras.backend.standardize_dtype(got.dtype) == "float32", field
+        np.testing.assert_allclose(ops.convert_to_numpy(got), ops.convert_to_numpy(want), rtol=1e-5, atol=1e-6,
+                                   err_msg=field)
 
 
 def test_mixed_precision_keeps_energies_and_cd_in_float32(rng):

@@ -29,11 +29,18 @@ class Routing(keras.layers.Layer):
     `normalizes` names the axis the coefficients sum to 1 over: "parents"
     (sum_j c_ij = 1) or "children" (sum_i c_ij = 1); routing statistics
     (entropy) take that axis.
+
+    A router's dtype policy is float32 unless `dtype` is given: under a
+    mixed-precision global policy its weights are neither stored nor read
+    in low precision, and the votes that a capsule layer computed in low
+    precision are cast to float32 on the way in (`poecaps.distribute`).
     """
 
     normalizes = "parents"
 
     def __init__(self, iterations=3, **kwargs):
+        if kwargs.get("dtype") is None:
+            kwargs["dtype"] = "float32"
         super().__init__(**kwargs)
         self.iterations = check_integer(iterations, "iterations", minimum=0)
         # votes of another rank are refused by Keras with the layer's name and both ranks

@@ -8,11 +8,13 @@ from poecaps.validation import check_integer
 
 
 def _mlp(hidden, name, seed):
-    """ReLU layers of sizes `hidden`, then one linear output unit."""
+    """ReLU layers of sizes `hidden`, then one linear output unit; float32 whatever the global dtype policy,
+    as the routing around them is (a mixed policy would make them compute in float16)."""
     init = lambda k: keras.initializers.GlorotUniform(seed=None if seed is None else seed + k)
-    layers = [keras.layers.Dense(units, activation="relu", kernel_initializer=init(k), name=f"{name}_{k}")
+    layers = [keras.layers.Dense(units, activation="relu", kernel_initializer=init(k), name=f"{name}_{k}",
+                                 dtype="float32")
               for k, units in enumerate(hidden)]
-    layers.append(keras.layers.Dense(1, kernel_initializer=init(len(hidden)), name=f"{name}_out"))
+    layers.append(keras.layers.Dense(1, kernel_initializer=init(len(hidden)), name=f"{name}_out", dtype="float32"))
     return layers
 
 
@@ -120,7 +122,7 @@ class ConnectionistRouting(Routing):
     def call(self, votes, activations=None, training=None):
         votes = ops.cast(votes, "float32")
         num_in, dim, units = votes.shape[1], votes.shape[3], self.units
-        a = ops.ones(ops.shape(votes)[:2]) if activations is None else ops.cast(activations, "float32")
+        a = ops.ones(ops.shape(votes)[:2], "float32") if activations is None else ops.cast(activations, "float32")
         # Each gate's own columns of the weights: the gates are computed as four [B, I, J, U] tensors, not
         # one [B, I, J, 4U] split along its last axis (whose slices and their gradient's concatenation
         # made the backward pass nearly twice as slow under XLA, bench/learned_step.py).
@@ -134,7 +136,7 @@ class ConnectionistRouting(Routing):
         fixed = [_rows_times(votes, k_vote[k]) + a[:, :, None, None] * k_a[k] + bias[k] for k in range(4)]
         # [B, I, J] x [B, I, J, D] -> [B, J, D]
         weighted_mean = lambda c: ops.einsum("bij,bijd->bjd", c, votes)
-        c = ops.ones(ops.shape(votes)[:3]) / num_in
+        c = ops.ones(ops.shape(votes)[:3], "float32") / num_in
         mu = weighted_mean(c)
         h = m = None                    # zero states: the first round skips their terms
         for _ in range(self.iterations):
@@ -148,7 +150,7 @@ class ConnectionistRouting(Routing):
             c = ops.softmax(self._apply(self.compatibility_layers, h), axis=1)
             mu = weighted_mean(c)
         if m is None:
-            m = ops.zeros((*ops.shape(votes)[:3], units))
+            m = ops.zeros((*ops.shape(votes)[:3], units), "float32")
         # [B, I, J] x [B, I, J, U] -> [B, J, U]
         pooled = ops.einsum("bij,biju->bju", c, m)
         return RoutingResult(mu, ops.sigmoid(self._apply(self.activation_layers, pooled)), c)
