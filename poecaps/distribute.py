@@ -59,6 +59,21 @@ def num_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
+def batch_normalization(**kwargs):
+    """A `keras.layers.BatchNormalization` that normalises by the global batch's statistics.
+
+    Made under a strategy of several replicas, it is `synchronized`: each
+    replica's mean and variance are summed across replicas, so that a step
+    under N replicas equals one device's step on the same global batch, as
+    the trainers promise (unsynchronised, each replica would normalise by
+    its own share of the batch). With one replica it is Keras' plain layer,
+    whose moments Keras computes the same way as before this existed.
+    """
+    import keras
+
+    return keras.layers.BatchNormalization(synchronized=num_replicas() > 1, **kwargs)
+
+
 def replica_scale():
     """1 / number of replicas: the factor on per-replica gradients that Keras then sums."""
     return 1.0 / num_replicas()

@@ -147,7 +147,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from poecaps import compositing, concrete, frames, graphs
+from poecaps import compositing, concrete, distribute, frames, graphs
 from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
 from poecaps.validation import check_choice, check_image_batch, check_integer, check_number
@@ -275,7 +275,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                                           kernel_initializer=init(i), name=f"part_conv{i}")
                       for i, s in enumerate((2, 2, 1, 1))]
         self.part_head = keras.layers.Conv2D(n * 8, 1, kernel_initializer=init(4), name="part_head")
-        self.part_normalisation = keras.layers.BatchNormalization(name="part_normalisation")
+        self.part_normalisation = distribute.batch_normalization(name="part_normalisation")
         self.embed = keras.layers.Dense(hidden, kernel_initializer=init(5), name="part_embedding")
         self.isabs = [InducedSetAttention(hidden, heads, inducing, name=f"isab{i}") for i in range(blocks)]
         self.pool = AttentionPooling(hidden, heads, 1, name="pool")

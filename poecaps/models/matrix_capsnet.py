@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from poecaps import losses
+from poecaps import distribute, losses
 from poecaps.initializers import NearIdentity
 from poecaps.layers import ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
@@ -77,7 +77,7 @@ class MatrixCapsNet(keras.Model):
                                     cost_normalization=cost_normalization, name=name)
         init = lambda: keras.initializers.get(keras.initializers.serialize(self.kernel_initializer))
         self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1")
-        self.norm = keras.layers.BatchNormalization(name="batch_norm") if batch_norm else None
+        self.norm = distribute.batch_normalization(name="batch_norm") if batch_norm else None
         self.primary = PrimaryMatrixCapsules(b, name="primary_capsules")
         self.conv_caps1 = ConvCapsules(c, 16, 3, 2, routing=em("em1"), chunk_size=chunk(b),
                                        kernel_initializer=init(), name="conv_caps1")

@@ -5,7 +5,7 @@ import math
 import keras
 from keras import ops
 
-from poecaps import losses
+from poecaps import distribute, losses
 from poecaps import routing as routing_lib
 from poecaps.errors import InputError
 from poecaps.initializers import NearIdentity
@@ -155,7 +155,7 @@ class RoutingCapsNet(keras.Model):
         conv_init = lambda k: keras.initializers.GlorotUniform(seed=seed + k)
         self.conv1 = keras.layers.Conv2D(filters, 5, strides=2, activation="relu", kernel_initializer=conv_init(0),
                                          name="conv1")
-        self.batch_norm = keras.layers.BatchNormalization(name="batch_norm")
+        self.batch_norm = distribute.batch_normalization(name="batch_norm")
         self.primary = PrimaryMatrixCapsules(primary_types, name="primary_capsules")
         self.conv_caps1 = ConvCapsules(conv_types, 16, 3, 2, routing=routers[0], kernel_initializer=init(1),
                                        frobenius_votes=True, chunk_size=chunk(primary_types), name="conv_caps1")

@@ -18,7 +18,7 @@ import numpy as np
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
-from poecaps.models import CapsNet, MatrixCapsNet
+from poecaps.models import CapsNet, MatrixCapsNet, RoutingCapsNet
 from poecaps.rbm import BernoulliRBM
 from poecaps.routing import DynamicRouting
 from poecaps.trainers.autoencoder import AutoencoderTrainer
@@ -76,6 +76,14 @@ def em():
     return trainer, IMAGES28, LABELS, lambda t: t.network.get_weights()
 
 
+def routingnet():
+    # Faria's network: batch normalisation after its first convolution, which must see the global batch
+    network = RoutingCapsNet((28, 28, 1), 3, routing="dynamic", filters=8, primary_types=2, conv_types=2, seed=0)
+    trainer = SupervisedTrainer(network, seed=0)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+    return trainer, IMAGES28, LABELS, lambda t: t.network.get_weights()
+
+
 def train(make, strategy):
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -92,7 +100,7 @@ def main():
     else:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     result = {}
-    for make in (cd, rbm, autoencoder, capsnet, em):
+    for make in (cd, rbm, autoencoder, capsnet, em, routingnet):
         one, _ = train(make, tf.distribute.get_strategy())
         many, replicas = train(make, strategy)
         moved = [float(np.abs(w - w0).max()) for w, w0 in zip(one, train_initial(make))]
