@@ -129,6 +129,26 @@ def test_every_routing_routes_in_float32_under_a_mixed_policy(rng, policy, name)
                                    err_msg=field)
 
 
+@pytest.mark.parametrize("name", ["similarity", "generative"])
+def test_a_router_made_under_a_float64_policy_routes_in_float64(rng, name):
+    """Only mixed policies pin routers to float32; under float64 a router that routes in its votes' dtype
+    gets float64 votes and returns float64, as one made with dtype="float64" does."""
+    votes = rng.normal(size=(2, 6, 3, 4))
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float64")
+    try:
+        router = routing.get(name)
+        found = router(votes)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    assert router.compute_dtype == "float64"
+    assert keras.backend.standardize_dtype(found.poses.dtype) == "float64"
+    explicit = routing.get(name, dtype="float64")
+    explicit(votes)
+    explicit.set_weights(router.get_weights())
+    np.testing.assert_array_equal(ops.convert_to_numpy(found.poses), ops.convert_to_numpy(explicit(votes).poses))
+
+
 def test_mixed_precision_keeps_energies_and_cd_in_float32(rng):
     x = np.asarray(squash(rng.normal(size=(16, 6, 3)))).astype("float32")
     with distribute.precision_policy("mixed_bfloat16"):

@@ -30,16 +30,18 @@ class Routing(keras.layers.Layer):
     (sum_j c_ij = 1) or "children" (sum_i c_ij = 1); routing statistics
     (entropy) take that axis.
 
-    A router's dtype policy is float32 unless `dtype` is given: under a
-    mixed-precision global policy its weights are neither stored nor read
-    in low precision, and the votes that a capsule layer computed in low
-    precision are cast to float32 on the way in (`poecaps.distribute`).
+    Under a mixed-precision global policy (float16 or bfloat16 compute) a
+    router's dtype policy is float32 unless `dtype` is given: its weights
+    are neither stored nor read in low precision, and the votes that a
+    capsule layer computed in low precision are cast to float32 on the way
+    in (`poecaps.distribute`). Under any other policy it follows the global
+    one (float64 routes in float64).
     """
 
     normalizes = "parents"
 
     def __init__(self, iterations=3, **kwargs):
-        if kwargs.get("dtype") is None:
+        if kwargs.get("dtype") is None and keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16"):
             kwargs["dtype"] = "float32"
         super().__init__(**kwargs)
         self.iterations = check_integer(iterations, "iterations", minimum=0)
