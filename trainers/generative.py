@@ -3,6 +3,7 @@
 import keras
 import tensorflow as tf
 
+from poecaps import distribute
 from poecaps.trainers import CHILD_WEIGHTS
 from poecaps.validation import check_choice, check_integer
 
@@ -74,9 +75,10 @@ class GenerativeCapsuleTrainer(keras.Model):
         v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
         with tf.GradientTape() as tape:
             per_child, entropy = self._statistics(children, a, v, r)
-            loss = -per_child
+            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
+            scaled = self.optimizer.scale_loss(-per_child * distribute.replica_scale())
         weights = self.layer.trainable_weights
-        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        self.optimizer.apply(tape.gradient(scaled, weights), weights)
         self.bound_tracker.update_state(per_child)
         self.entropy_tracker.update_state(entropy)
         return {m.name: m.result() for m in self.metrics}

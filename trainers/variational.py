@@ -3,6 +3,8 @@
 import keras
 import tensorflow as tf
 
+from poecaps import distribute
+
 
 class VariationalTrainer(keras.Model):
     """Raises a model's variational bound jointly in its generative and encoder weights.
@@ -18,7 +20,10 @@ class VariationalTrainer(keras.Model):
     a training-only term, e.g. the capsule model's specialisation), else the
     bound.
     Metrics: every term per image, and `mse`, the reconstruction error of
-    the encoder's means.
+    the encoder's means. Under a strategy of N replicas the step is the
+    global batch's mean (each replica's loss over N, as Keras sums their
+    gradients), but every replica draws its latents from the same seed, so
+    the draws are not one device's draws for the global batch.
 
     Args:
         model: the model.
@@ -58,8 +63,10 @@ class VariationalTrainer(keras.Model):
         with tf.GradientTape() as tape:
             terms = self.model.bound(images, seed=seed, training=True)
             loss = -tf.reduce_mean(terms.get("objective", terms["bound"])) / pixels
+            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
+            scaled = self.optimizer.scale_loss(loss * distribute.replica_scale())
         weights = self.model.trainable_weights
-        self.optimizer.apply(tape.gradient(loss, weights), weights)
+        self.optimizer.apply(tape.gradient(scaled, weights), weights)
         return self._update(images, terms)
 
     def test_step(self, data):

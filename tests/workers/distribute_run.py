@@ -18,11 +18,12 @@ import numpy as np
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import ConvAutoencoder
-from poecaps.models import CapsNet, MatrixCapsNet, RoutingCapsNet
+from poecaps.models import CapsNet, GenerativeCapsules, MatrixCapsNet, RoutingCapsNet
 from poecaps.rbm import BernoulliRBM
 from poecaps.routing import DynamicRouting
 from poecaps.trainers.autoencoder import AutoencoderTrainer
 from poecaps.trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.generative import GenerativeCapsuleTrainer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.supervised import SupervisedTrainer
 
@@ -84,6 +85,19 @@ def routingnet():
     return trainer, IMAGES28, LABELS, lambda t: t.network.get_weights()
 
 
+def generative():
+    # Generalised EM: each replica infers its children's parents, the M-step's gradient is the global batch's
+    teacher = GenerativeCapsules(3, 4, 5, seed=1, kappa=20.0, sigma=0.2)
+    teacher.build((None, 12, 5))
+    parents = np.random.default_rng(1).normal(size=(32, 3, 4)).astype("float32")     # the same at every call
+    children = teacher.generate(parents, seed=[3, 4])[0].numpy()
+    layer = GenerativeCapsules(3, 4, 5, seed=2, kappa=20.0, sigma=0.2)
+    layer.build((None, 12, 5))
+    trainer = GenerativeCapsuleTrainer(layer, iterations=3)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    return trainer, children, None, lambda t: t.layer.get_weights()
+
+
 def train(make, strategy):
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -100,7 +114,7 @@ def main():
     else:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
     result = {}
-    for make in (cd, rbm, autoencoder, capsnet, em, routingnet):
+    for make in (cd, rbm, autoencoder, capsnet, em, routingnet, generative):
         one, _ = train(make, tf.distribute.get_strategy())
         many, replicas = train(make, strategy)
         moved = [float(np.abs(w - w0).max()) for w, w0 in zip(one, train_initial(make))]
