@@ -59,6 +59,13 @@ def num_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
+def replica_loss(optimizer, loss):
+    """The loss a replica differentiates: its batch `loss` times `replica_scale()` (Keras sums the replicas'
+    gradients), through `optimizer.scale_loss` (a `LossScaleOptimizer` scales it under mixed_float16; any other
+    optimizer returns it as is)."""
+    return optimizer.scale_loss(loss * replica_scale())
+
+
 def batch_normalization(**kwargs):
     """A `keras.layers.BatchNormalization` that normalises by the global batch's statistics.
 

@@ -54,8 +54,7 @@ class AutoencoderTrainer(keras.Model):
         images = data[0] if isinstance(data, (tuple, list)) else data
         with tf.GradientTape() as tape:
             loss, mse = self._reconstruction_losses(images, training=True)
-            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
-            scaled = self.optimizer.scale_loss(loss * distribute.replica_scale())
+            scaled = distribute.replica_loss(self.optimizer, loss)
         weights = self.autoencoder.trainable_weights
         self.optimizer.apply(tape.gradient(scaled, weights), weights)
         return self._report(loss, mse)

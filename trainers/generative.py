@@ -75,8 +75,7 @@ class GenerativeCapsuleTrainer(keras.Model):
         v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
         with tf.GradientTape() as tape:
             per_child, entropy = self._statistics(children, a, v, r)
-            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
-            scaled = self.optimizer.scale_loss(-per_child * distribute.replica_scale())
+            scaled = distribute.replica_loss(self.optimizer, -per_child)
         weights = self.layer.trainable_weights
         self.optimizer.apply(tape.gradient(scaled, weights), weights)
         self.bound_tracker.update_state(per_child)

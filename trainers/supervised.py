@@ -85,8 +85,7 @@ class SupervisedTrainer(keras.Model):
         """`(gradients, loss, scores, {name: term})` of one batch (or shard)."""
         with tf.GradientTape() as tape:
             loss, scores, terms = self.network.loss_terms(images, labels, training=True, step=self._step())
-            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
-            scaled = self.optimizer.scale_loss(loss * distribute.replica_scale())
+            scaled = distribute.replica_loss(self.optimizer, loss)
         return tape.gradient(scaled, self.network.trainable_weights), loss, scores, terms
 
     def _sharded_gradients(self, images, labels):

@@ -63,8 +63,7 @@ class VariationalTrainer(keras.Model):
         with tf.GradientTape() as tape:
             terms = self.model.bound(images, seed=seed, training=True)
             loss = -tf.reduce_mean(terms.get("objective", terms["bound"])) / pixels
-            # Keras sums replicas' gradients; under mixed_float16 the optimizer scales the loss.
-            scaled = self.optimizer.scale_loss(loss * distribute.replica_scale())
+            scaled = distribute.replica_loss(self.optimizer, loss)
         weights = self.model.trainable_weights
         self.optimizer.apply(tape.gradient(scaled, weights), weights)
         return self._update(images, terms)
