@@ -24,6 +24,17 @@ def check_integer(value, name, minimum=1, allow_none=False):
     return int(value)
 
 
+def check_flag(value, name):
+    """Return `value` as a Python `bool` if it is True or False (NumPy's bools too); else raise `InputError`.
+
+    Strings (`"false"`), numbers (0, 1) and None are refused: each would otherwise be read by its truth value
+    (`"false"` as True), and a NumPy bool would leave a config that JSON cannot write.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name} must be True or False. Received: {name}={value!r}")
+    return bool(value)
+
+
 def check_choice(value, name, choices, error=InputError):
     """Return `value` if it equals one of `choices` (any iterable of names, a dict's keys); else raise `error`.
 

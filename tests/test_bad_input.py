@@ -27,6 +27,7 @@ from poecaps.initializers import NearIdentity
 from poecaps.layers import (
     AttentionPooling,
     CapsuleDense,
+    ClassCapsules,
     ConvAutoencoder,
     ConvCapsules,
     InducedSetAttention,
@@ -37,6 +38,7 @@ from poecaps.layers import (
 from poecaps.models import (
     CapsNet,
     GenerativeCapsules,
+    MatrixCapsNet,
     ProbabilisticCapsuleAutoencoder,
     ProbabilisticCapsules,
     RoutingCapsNet,
@@ -56,7 +58,7 @@ from poecaps.trainers.cd import CDTrainer, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.supervised import SupervisedTrainer
-from poecaps.validation import check_choice, check_integer, check_number
+from poecaps.validation import check_choice, check_flag, check_integer, check_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -314,6 +316,42 @@ def test_numbers_refuse_what_is_not_a_finite_number_in_range_by_name(make, name,
         with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
             make(value)
     make(np.float32(0.5))      # a NumPy number in range is taken
+
+
+# Every on/off switch that a layer, model, routing or trainer takes, and the name it is stored under.
+FLAGS = [
+    (lambda v: CapsuleDense(4, 8, frobenius_votes=v), "frobenius_votes"),
+    (lambda v: ConvCapsules(4, 16, frobenius_votes=v), "frobenius_votes"),
+    (lambda v: ClassCapsules(4, coordinate_addition=v), "coordinate_addition"),
+    (lambda v: PrimaryCapsules(squash=v), "squash"),
+    (lambda v: CapsNet((28, 28, 1), 10, reconstruction=v), "reconstruction"),
+    (lambda v: MatrixCapsNet((28, 28, 1), 10, batch_norm=v), "batch_norm"),
+    (lambda v: TopDownAttention(accumulate=v), "accumulate"),
+    (lambda v: TopDownAttention(trainable_beta=v), "trainable_beta"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(detach_parts=v), "detach_parts"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(equivariant_top=v), "equivariant_top"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(anchored_parts=v), "anchored_parts"),
+    (lambda v: CDTrainer(CapsuleExperts(2, 3), persistent=v), "persistent"),
+]
+
+
+@pytest.mark.parametrize("make, name", FLAGS)
+def test_flags_take_true_or_false_and_refuse_what_would_only_read_as_a_truth_value(make, name):
+    """`"false"` would read as True, 0 and 1 as numbers, None as off: each is refused by name. A NumPy bool
+    is taken and stored as a Python bool (a config that JSON writes)."""
+    for value in ("false", "True", 0, 1, None, np.array([True])):
+        expected = f"{name} must be True or False. Received: {name}={value!r}"
+        with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
+            make(value)
+    made = make(np.bool_(False))
+    assert getattr(made, name) is False
+
+
+def test_check_flag_returns_a_python_bool():
+    assert check_flag(True, "on") is True and check_flag(np.bool_(False), "on") is False
+    value = np.float64(1.0)
+    with pytest.raises(InputError, match="^" + re.escape(f"on must be True or False. Received: on={value!r}") + "$"):
+        check_flag(value, "on")
 
 
 @pytest.mark.parametrize("name", ["kernel_weight", "activation_bias", "divergence_weight"])

@@ -432,7 +432,7 @@ def test_refine_of_the_parts_alone_steps_on_the_parts_and_reads_the_top_from_the
     before = model.mean_bound(images, parts(start), draws=16, seed=9).numpy()
     after = model.mean_bound(images, parts(refined), draws=16, seed=9).numpy()
     assert np.all(after > before), (before, after)
-    with pytest.raises(TypeError, match="parts_only must be True or False"):
+    with pytest.raises(InputError, match="parts_only must be True or False"):
         model.refine(images, 1, parts_only="yes")
 
 
@@ -648,7 +648,7 @@ def test_detached_parts_keep_the_bound_and_cut_only_the_top_layers_gradient_into
     assert min(detached_top) > 0.0                                              # the top encoder learns
     assert gradients(plain, "image", True)[1:] == gradients(detached, "image", True)[1:]   # image term untouched
     assert min(gradients(detached, "parts", False)[1]) > 0.0                    # refine, evaluation: full gradient
-    with pytest.raises(TypeError, match="detach_parts"):
+    with pytest.raises(InputError, match="detach_parts"):
         ProbabilisticCapsuleAutoencoder(plain.generative, detach_parts=1)
     assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(detached)).detach_parts is True
 
@@ -711,7 +711,7 @@ def test_the_equivariant_top_encoder_keeps_the_presences_and_moves_the_poses_whe
         changed = plain.encode_top(presence, moved)[0].numpy() - plain.encode_top(presence, tf.constant(pose))[0]
         assert np.abs(changed).max() > 1e-2
     assert ProbabilisticCapsuleAutoencoder.from_config(equivariant.get_config()).equivariant_top
-    with pytest.raises(TypeError, match="equivariant_top"):
+    with pytest.raises(InputError, match="equivariant_top"):
         ProbabilisticCapsuleAutoencoder(generative, equivariant_top=1, **sizes)
 
 
@@ -761,7 +761,7 @@ def test_anchored_parts_sit_at_their_attentions_mean_cell_centre_plus_its_offset
     np.testing.assert_allclose(pose, expected, rtol=1e-5, atol=1e-6)
     assert np.abs(np.einsum("bln,ln->bn", weights, x)).max() > 1e-2    # the anchors weigh in the test
     assert ProbabilisticCapsuleAutoencoder.from_config(model.get_config()).anchored_parts
-    with pytest.raises(TypeError, match="anchored_parts"):
+    with pytest.raises(InputError, match="anchored_parts"):
         ProbabilisticCapsuleAutoencoder(generative, anchored_parts="yes", **sizes)
 
 

@@ -11,7 +11,7 @@ from poecaps.experts import DECODER_RULES, check_sparsity
 from poecaps.graphs import graph
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
-from poecaps.validation import check_array, check_choice, check_integers, check_number
+from poecaps.validation import check_array, check_choice, check_flag, check_integers, check_number
 
 
 def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
@@ -114,6 +114,7 @@ class CDTrainer(keras.Model):
             raise InputError(f"{type(model).__name__} draws random numbers from one seed generator, which "
                              f"concurrent shards would share; use shards=1. Received: shards={shards}")
         l2 = check_number(l2, "l2", minimum=0)
+        persistent = check_flag(persistent, "persistent")
         if persistent and chain_shape is None:
             raise InputError("Persistent CD needs the chains' shape. Received: chain_shape=None")
         if persistent and distribute.num_replicas() > 1:

@@ -6,7 +6,7 @@ from keras import ops
 from poecaps import routing as routing_lib
 from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
-from poecaps.validation import check_choice, check_integers
+from poecaps.validation import check_choice, check_flag, check_integers
 
 POSES = ("vector", "matrix")
 
@@ -108,7 +108,7 @@ class CapsuleDense(keras.layers.Layer):
             or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
-        self.frobenius_votes = frobenius_votes
+        self.frobenius_votes = check_flag(frobenius_votes, "frobenius_votes")
         if pose == "matrix" and isinstance(self.kernel_constraint, IsometricPoses):
             raise InputError("IsometricPoses constrains vector-pose maps [I, J, D_out, D_in]. "
                              "Received: pose='matrix'")

@@ -18,7 +18,7 @@ from poecaps.layers.capsule_dense import (
     pose_size,
 )
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integer, check_integers
+from poecaps.validation import check_flag, check_integer, check_integers
 
 
 def _check_capsule_map(input_shape, layer):
@@ -57,7 +57,7 @@ class _CapsuleMapLayer(keras.layers.Layer):
         self.capsule_dim = capsule_dim
         self.pose = pose
         self.routing = routing_lib.get(routing)
-        self.frobenius_votes = frobenius_votes
+        self.frobenius_votes = check_flag(frobenius_votes, "frobenius_votes")
         self.kernel_initializer = keras.initializers.get(
             kernel_initializer
             or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))
@@ -200,7 +200,7 @@ class ClassCapsules(_CapsuleMapLayer):
     def __init__(self, num_capsules, capsule_dim=16, routing="em", pose="matrix",
                  coordinate_addition=True, kernel_initializer=None, **kwargs):
         super().__init__(num_capsules, capsule_dim, routing, pose, kernel_initializer, **kwargs)
-        self.coordinate_addition = coordinate_addition
+        self.coordinate_addition = check_flag(coordinate_addition, "coordinate_addition")
 
     def build(self, inputs_shape, activations_shape=None):
         input_shape = inputs_shape

@@ -4,7 +4,7 @@ import keras
 
 from poecaps.capsules import primary_capsules, squash
 from poecaps.errors import InputError
-from poecaps.validation import check_integer
+from poecaps.validation import check_flag, check_integer
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -25,7 +25,7 @@ class PrimaryCapsules(keras.layers.Layer):
     def __init__(self, capsule_dim=8, squash=True, **kwargs):
         super().__init__(**kwargs)
         self.capsule_dim = check_integer(capsule_dim, "capsule_dim")
-        self.squash = squash
+        self.squash = check_flag(squash, "squash")
 
     def build(self, input_shape):
         if input_shape[-1] % self.capsule_dim:

@@ -9,7 +9,7 @@ from poecaps import losses
 from poecaps.errors import InputError
 from poecaps.layers import CapsuleDense, PrimaryCapsules
 from poecaps.routing import DynamicRouting
-from poecaps.validation import check_integer, check_integers
+from poecaps.validation import check_flag, check_integer, check_integers
 
 
 def check_classifier_arguments(image_shape, num_classes, convolutions=()):
@@ -77,7 +77,7 @@ class CapsNet(keras.Model):
         self.image_shape = tuple(image_shape)
         self.num_classes = num_classes
         self.routing_iterations = check_integer(routing_iterations, "routing_iterations", minimum=0)
-        self.reconstruction = reconstruction
+        self.reconstruction = reconstruction = check_flag(reconstruction, "reconstruction")
         self.reconstruction_weight = reconstruction_weight
         self.conv_filters = conv_filters
         self.primary_types = primary_types

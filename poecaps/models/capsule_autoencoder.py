@@ -150,7 +150,13 @@ from keras import ops
 from poecaps import compositing, concrete, distribute, frames, graphs
 from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
-from poecaps.validation import check_choice, check_image_batch, check_integer, check_number
+from poecaps.validation import (
+    check_choice,
+    check_flag,
+    check_image_batch,
+    check_integer,
+    check_number,
+)
 
 
 def _coordinates(images):
@@ -173,13 +179,6 @@ def prior_sparsity(top_logits, classes):
     within = tf.reduce_mean(tf.square(tf.reduce_sum(t, axis=1) - num_top / classes))
     between = tf.reduce_mean(tf.square(tf.reduce_sum(t, axis=0) - batch / classes))
     return within, between
-
-
-def _flag(name, value):
-    """`value` if it is True or False; else a clear TypeError."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
-    return value
 
 
 def presence_information(top_logits):
@@ -258,9 +257,9 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         self.within_sparsity = check_number(within_sparsity, "within_sparsity", minimum=0)
         self.between_sparsity = check_number(between_sparsity, "between_sparsity", minimum=0)
         self.sparsity_classes = check_number(sparsity_classes, "sparsity_classes", above=0)
-        self.detach_parts = _flag("detach_parts", detach_parts)
-        self.equivariant_top = _flag("equivariant_top", equivariant_top)
-        self.anchored_parts = _flag("anchored_parts", anchored_parts)
+        self.detach_parts = check_flag(detach_parts, "detach_parts")
+        self.equivariant_top = check_flag(equivariant_top, "equivariant_top")
+        self.anchored_parts = check_flag(anchored_parts, "anchored_parts")
         self.localisation = check_number(localisation, "localisation", minimum=0)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed)
@@ -456,7 +455,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         learning_rate = check_number(learning_rate, "learning_rate", above=0)
         check_choice(optimizer, "optimizer", OPTIMIZERS)
         images = tf.convert_to_tensor(images)
-        _flag("parts_only", parts_only)
+        parts_only = check_flag(parts_only, "parts_only")
         start = self.variational_parameters(images) if parameters is None else parameters
         names = ["part_logits", "part_pose"] if parts_only else sorted(start)
         found = dict(zip(names, _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names,

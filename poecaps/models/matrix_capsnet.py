@@ -8,7 +8,7 @@ from poecaps.initializers import NearIdentity
 from poecaps.layers import ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
 from poecaps.routing import EMRouting
-from poecaps.validation import check_integer, check_integers
+from poecaps.validation import check_flag, check_integer, check_integers
 
 # Lower capsules per chunk in the convolutional capsule layers: the chunk's
 # votes, 1024 x J x 16 floats, stay in the CPU's caches (bench/em_step.py).
@@ -68,7 +68,7 @@ class MatrixCapsNet(keras.Model):
         self.final_lambda = final_lambda
         self.cost_normalization = cost_normalization
         self.margin_steps = margin_steps
-        self.batch_norm = batch_norm
+        self.batch_norm = batch_norm = check_flag(batch_norm, "batch_norm")
         self.kernel_initializer = keras.initializers.get(
             kernel_initializer or NearIdentity(0.1))
         self.chunk_capsules = chunk_capsules = check_integer(chunk_capsules, "chunk_capsules", allow_none=True)

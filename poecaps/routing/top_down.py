@@ -3,7 +3,7 @@
 import keras
 from keras import ops
 
-from poecaps.validation import check_integer, check_number
+from poecaps.validation import check_flag, check_integer, check_number
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -40,8 +40,8 @@ class TopDownAttention(keras.layers.Layer):
         iterations = check_integer(iterations, "iterations")
         self.iterations = iterations
         self.beta_value = check_number(beta, "beta", above=0)
-        self.accumulate = accumulate
-        self.trainable_beta = trainable_beta
+        self.accumulate = check_flag(accumulate, "accumulate")
+        self.trainable_beta = check_flag(trainable_beta, "trainable_beta")
 
     def build(self, children_shape, predictions_shape=None):
         self.beta = self.add_weight(name="beta", shape=(), trainable=self.trainable_beta,
