@@ -52,6 +52,17 @@ def precision_policy(name="float32"):
         keras.config.set_dtype_policy(previous)
 
 
+def routing_dtype(dtype=None):
+    """The dtype a routing layer is made with: `dtype` if given; "float32" under a mixed global policy (float16
+    or bfloat16 compute), so that routing neither stores nor reads its weights in low precision and casts the
+    votes it is given to float32; otherwise None (the global policy: float64 routes in float64)."""
+    import keras
+
+    if dtype is None and keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16"):
+        return "float32"
+    return dtype
+
+
 def num_replicas():
     """Replicas of the current strategy (1 outside any)."""
     import tensorflow as tf

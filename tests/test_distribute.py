@@ -14,6 +14,7 @@ from poecaps import distribute, routing
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
 from poecaps.models import CapsNet, MatrixCapsNet
+from poecaps.routing import TopDownAttention
 from poecaps.trainers.cd import CDTrainer, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.supervised import SupervisedTrainer
@@ -127,6 +128,26 @@ def test_every_routing_routes_in_float32_under_a_mixed_policy(rng, policy, name)
         assert keras.backend.standardize_dtype(got.dtype) == "float32", field
         np.testing.assert_allclose(ops.convert_to_numpy(got), ops.convert_to_numpy(want), rtol=1e-5, atol=1e-6,
                                    err_msg=field)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_top_down_attention_attends_in_float32_under_a_mixed_policy(rng, policy):
+    """`TopDownAttention` (a layer beside the routers, eq. 6) keeps float32 as they do. Reference: the layer
+    made under float32 on the same low-precision-rounded inputs, which runs the same float32 operations, so the
+    two agree to float32 rounding; attending in the low precision moves the softmax by its rounding (about 1e-3
+    in float16, 1e-2 in bfloat16) and returns low-precision tensors."""
+    children = rng.normal(size=(2, 5, 4)).astype("float32")
+    predictions = rng.normal(size=(2, 5, 3, 4)).astype("float32")
+    low = policy.split("_")[1]
+    rounded = [ops.convert_to_numpy(ops.cast(ops.cast(x, low), "float32")) for x in (children, predictions)]
+    with distribute.precision_policy(policy):
+        mixed = TopDownAttention(iterations=3, beta=0.7, accumulate=True)
+        found = mixed(ops.cast(children, low), ops.cast(predictions, low))
+    expected = TopDownAttention(iterations=3, beta=0.7, accumulate=True)(*rounded)
+    for name, got, want in zip(("attention", "children"), found, expected):
+        assert keras.backend.standardize_dtype(got.dtype) == "float32", name
+        np.testing.assert_allclose(ops.convert_to_numpy(got), ops.convert_to_numpy(want), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["similarity", "generative"])

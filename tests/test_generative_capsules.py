@@ -1,6 +1,7 @@
 """The vMF pieces against scipy, eq. 6 against NumPy, and the generative capsules' EM."""
 
 import os
+import re
 
 import keras
 import numpy as np
@@ -242,6 +243,17 @@ def test_bad_arguments():
         vmf.vmf_log_normalizer(1.0, 1)
     with pytest.raises(InputError, match="Received: beta=0"):
         TopDownAttention(beta=0)
+
+
+@pytest.mark.parametrize("children, predictions", [((2, 5, 4), (2, 5, 3, 6)),      # D differs
+                                                   ((2, 5, 4), (2, 7, 3, 4)),      # I differs
+                                                   ((2, 5, 4), (2, 5, 4)),         # predictions without J
+                                                   ((2, 5, 3, 4), (2, 5, 3, 4))])  # children with a J
+def test_top_down_attention_refuses_children_and_predictions_that_do_not_fit(children, predictions):
+    """Children `[B, I, D]` and predictions `[B, I, J, D]`: otherwise one `InputError` names both shapes
+    (before, each of these failed inside einsum with TensorFlow's InvalidArgumentError)."""
+    with pytest.raises(InputError, match=re.escape(f"Received: children {children}, predictions {predictions}")):
+        TopDownAttention()(np.zeros(children, "float32"), np.zeros(predictions, "float32"))
 
 
 def test_inference_builds_the_layer_and_wrong_children_are_refused(rng):

@@ -4,6 +4,7 @@ import collections
 
 import keras
 
+from poecaps import distribute
 from poecaps.validation import check_integer
 
 RoutingResult = collections.namedtuple("RoutingResult", ["poses", "activations", "coefficients"])
@@ -41,8 +42,7 @@ class Routing(keras.layers.Layer):
     normalizes = "parents"
 
     def __init__(self, iterations=3, **kwargs):
-        if kwargs.get("dtype") is None and keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16"):
-            kwargs["dtype"] = "float32"
+        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(**kwargs)
         self.iterations = check_integer(iterations, "iterations", minimum=0)
         # votes of another rank are refused by Keras with the layer's name and both ranks

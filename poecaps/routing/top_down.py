@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
+from poecaps.errors import InputError
 from poecaps.validation import check_flag, check_integer, check_number
 
 
@@ -21,6 +23,9 @@ class TopDownAttention(keras.layers.Layer):
     parent whose prediction is both aligned and long, and over rounds the
     child can drift to it; `beta` sets how sharply a child commits.
 
+    Like every router, it attends in float32 under a mixed-precision global
+    policy unless given a `dtype` (`poecaps.distribute.routing_dtype`).
+
     Args:
         iterations: rounds k (>= 1).
         beta: inverse temperature (1.0: eq. 6 as printed).
@@ -36,6 +41,7 @@ class TopDownAttention(keras.layers.Layer):
     """
 
     def __init__(self, iterations=3, beta=1.0, accumulate=False, trainable_beta=False, **kwargs):
+        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(**kwargs)
         iterations = check_integer(iterations, "iterations")
         self.iterations = iterations
@@ -44,6 +50,14 @@ class TopDownAttention(keras.layers.Layer):
         self.trainable_beta = check_flag(trainable_beta, "trainable_beta")
 
     def build(self, children_shape, predictions_shape=None):
+        children_shape, predictions_shape = tuple(children_shape), tuple(predictions_shape or ())
+        if (len(children_shape) != 3 or len(predictions_shape) != 4
+                or any(a is not None and b is not None and a != b
+                       for a, b in zip(children_shape[:2] + children_shape[-1:],
+                                       predictions_shape[:2] + predictions_shape[-1:]))):
+            raise InputError(f"{type(self).__name__} {self.name!r}: children must be [B, I, D] and predictions "
+                             f"[B, I, J, D] with the same B, I and D. Received: children {children_shape}, "
+                             f"predictions {predictions_shape}")
         self.beta = self.add_weight(name="beta", shape=(), trainable=self.trainable_beta,
                                     initializer=keras.initializers.Constant(self.beta_value))
 
