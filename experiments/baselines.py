@@ -19,7 +19,7 @@ from poecaps.experiments.baseline_evaluation import (
 from poecaps.experiments.configs import BaselineConfig
 from poecaps.experiments.runs import (
     RunDir,
-    check_same_model,
+    check_resumable,
     load_images,
     read_settings,
     run_record,
@@ -69,13 +69,12 @@ def build_network(config, image_shape, num_classes, steps_per_epoch):
 
 def _resume_state(run, config, record):
     """The run's `state.json`, checked: this version's settings, a readable state, the same model."""
-    if record is not None:
-        read_settings(run, BaselineConfig)
+    recorded = dataclasses.asdict(read_settings(run, BaselineConfig)) if record is not None else {}
     state = run.read_json("state.json", {})
     if state and (state.get("kind") != "baseline" or not isinstance(state.get("settings"), dict)):
         raise InputError(f"{run.file('state.json')} is not a baseline's state as this version writes it; "
                          "restore it or start a new run directory (--run-dir).")
-    check_same_model(run, state.get("settings") or {}, config, ARCHITECTURE)
+    check_resumable(run, state.get("settings") or recorded, config, ARCHITECTURE)
     return state
 
 

@@ -22,7 +22,7 @@ from poecaps.experiments import figures
 from poecaps.experiments.configs import STAGES, LayerwiseConfig
 from poecaps.experiments.runs import (
     RunDir,
-    check_same_model,
+    check_resumable,
     load_images,
     read_settings,
     run_record,
@@ -239,10 +239,10 @@ def _resume_state(run, config, resume):
     record = run_record(run, "layerwise")
     if not resume:
         return fresh
-    if record is not None:
-        read_settings(run, LayerwiseConfig)
+    recorded = dataclasses.asdict(read_settings(run, LayerwiseConfig)) if record is not None else {}
     state = run.read_json("state.json")
     if state is None:
+        check_resumable(run, recorded, config, ARCHITECTURE)     # a first stage may have left checkpoints
         print(f"Nothing trained yet in {run.path}; resuming starts every stage from its checkpoints, if any.",
               flush=True)
         return fresh
@@ -252,7 +252,7 @@ def _resume_state(run, config, resume):
             for name, entry in stages.items()):
         raise InputError(f"{run.file('state.json')} does not list the trained stages as this version writes "
                          "them; restore it or start a new run directory (--run-dir).")
-    check_same_model(run, state.get("settings") or {}, config, ARCHITECTURE)
+    check_resumable(run, state.get("settings") or recorded, config, ARCHITECTURE)
     return state
 
 

@@ -226,6 +226,27 @@ def run_record(run, kind):
     return record
 
 
+def check_resumable(run, trained, config, names):
+    """Whether `config` may go on from `run`'s checkpoints: the same `names` (the model) as `trained` (the
+    settings of the run's state, or of its `config.json` if it stopped before writing a state) and the same
+    loss scaling. Checked before `config.json` is written, so a refused call leaves the run's record as it was."""
+    check_same_model(run, trained, config, names)
+    check_same_loss_scaling(run, trained, config)
+
+
+def check_same_loss_scaling(run, trained, config):
+    """An `InputError` if `config.precision` and the run's (`trained`, a state's settings) differ in loss
+    scaling: under mixed_float16 Keras wraps each optimizer in a `LossScaleOptimizer`, whose scale and step
+    count the checkpoints hold, so they cannot resume without it, nor a run without it with it. float32 and
+    mixed_bfloat16 scale no loss and may take each other's place."""
+    was = trained.get("precision")
+    if was is not None and (was == "mixed_float16") != (config.precision == "mixed_float16"):
+        raise InputError(f"{run.path} was trained with precision {was!r}; its checkpoints hold "
+                         f"{'the' if was == 'mixed_float16' else 'no'} loss scale of mixed_float16, so it cannot go on "
+                         f"under {config.precision!r}. Resume it with precision {was!r} or use a new run directory "
+                         "(--run-dir).")
+
+
 def check_same_model(run, trained, config, names):
     """An `InputError` naming each of `names` whose value in `trained` (a state's settings) differs from `config`."""
     changed = [k for k in names if k in trained and trained[k] != getattr(config, k)]

@@ -2,13 +2,21 @@
 
 import dataclasses
 import json
+import os
+import re
 
 import pytest
 
+from poecaps.distribute import PRECISIONS
 from poecaps.errors import InputError
 from poecaps.experiments import presets
 from poecaps.experiments.configs import GenerativeConfig, ProbabilisticTrainConfig
-from poecaps.experiments.runs import config_to_resume, values_to_resume
+from poecaps.experiments.runs import (
+    RunDir,
+    check_same_loss_scaling,
+    config_to_resume,
+    values_to_resume,
+)
 
 
 def _trained(tmp_path, kind, preset, name="run", **overrides):
@@ -116,3 +124,49 @@ def test_evaluate_only_refuses_the_training_flags_by_name(tmp_path, monkeypatch)
     assert evaluated == []
     commands._baseline(["--run-dir", run, "--evaluate-only", "--seed", "4"])   # --seed draws the affine set
     assert evaluated == [4]
+
+
+@pytest.mark.parametrize("kind, preset, model_change", [("baseline", "sabour2017", {"routing_iterations": 2}),
+                                                         ("layerwise", "default", {"filters": 32})])
+def test_a_run_stopped_before_its_state_refuses_another_model_or_loss_scaling_and_keeps_its_record(
+        tmp_path, monkeypatch, kind, preset, model_change):
+    """A run stopped in its first epoch has a `config.json` and checkpoints but no `state.json`. Resumed with
+    another model, or with or without mixed_float16's loss scale, it is refused by the setting's name before
+    anything is written; before, it failed only at the checkpoint, after `config.json` had taken the new
+    settings, so that resuming again without them failed too."""
+    from poecaps.experiments import baselines, layerwise
+
+    pipeline = baselines if kind == "baseline" else layerwise
+    train = pipeline.train_baseline if kind == "baseline" else pipeline.train_layerwise
+    monkeypatch.setattr(pipeline, "load_images", lambda *args: pytest.fail("not refused: it went on to the images"))
+    run = _trained(tmp_path, kind, preset, precision="mixed_float16")
+    with open(os.path.join(run, "config.json")) as handle:
+        written = handle.read()
+    (name, _), = model_change.items()
+    was = getattr(presets.get(kind, preset), name)
+    scaling = ("trained with precision 'mixed_float16'; its checkpoints hold the loss scale of mixed_float16, so "
+               "it cannot go on under 'float32'")
+    for values, message in ((model_change, f"trained with other {name} (was {was}); resume it with the same values"),
+                            ({"precision": "float32"}, scaling)):
+        config, record = config_to_resume(run, kind, None, values)
+        with pytest.raises(InputError, match=re.escape(message)):
+            train(config, run, record, resume=True)
+        with open(os.path.join(run, "config.json")) as handle:
+            assert handle.read() == written
+
+
+@pytest.mark.parametrize("was", PRECISIONS)
+@pytest.mark.parametrize("now", PRECISIONS)
+def test_only_a_change_to_or_from_mixed_float16_is_refused_on_resuming(tmp_path, was, now):
+    """mixed_float16 alone keeps a loss scale in the optimizer's state; float32 and mixed_bfloat16 keep none,
+    so either may go on from the other's checkpoints."""
+    config = dataclasses.replace(presets.get("baseline", "sabour2017"), precision=now)
+    run = RunDir(str(tmp_path), create=False)
+    refused = {("mixed_float16", "float32"), ("mixed_float16", "mixed_bfloat16"),
+               ("float32", "mixed_float16"), ("mixed_bfloat16", "mixed_float16")}
+    if (was, now) in refused:
+        with pytest.raises(InputError, match=f"trained with precision '{was}'"):
+            check_same_loss_scaling(run, {"precision": was}, config)
+    else:
+        check_same_loss_scaling(run, {"precision": was}, config)
+    check_same_loss_scaling(run, {}, config)          # a run that recorded no precision: nothing to compare
