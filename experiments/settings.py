@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import numbers
 
+import numpy as np
+
 from poecaps.errors import InputError
 from poecaps.validation import check_number, choice_list, number_bounds
 
@@ -70,8 +72,8 @@ class Spec:
         return text + (f", or {self.none_word}" if self.optional else "")
 
     def check(self, name, value):
-        """`value` if it obeys the rules (ints accepted for floats, as floats; NumPy numbers as Python
-        ones); else `SettingError`.
+        """`value` if it obeys the rules (ints accepted for floats, as floats; NumPy numbers and bools as
+        Python ones); else `SettingError`.
 
         An optional number or flag also takes `none_word` for None (`l1="auto"`); for a text
         setting the word is text (a folder may be called "none").
@@ -82,9 +84,9 @@ class Spec:
         if value is None:
             self._fail(name, value)
         if self.kind is bool:
-            if not isinstance(value, bool):
+            if not isinstance(value, (bool, np.bool_)):
                 self._fail(name, value)
-            return value
+            return bool(value)
         if self.kind is str:
             if not isinstance(value, str) or (self.choices and value not in self.choices) or not value:
                 self._fail(name, value)

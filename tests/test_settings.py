@@ -57,12 +57,15 @@ def test_parse_reads_command_line_text(kind, text, value):
 
 
 def test_numpy_numbers_are_taken_as_python_numbers_and_the_config_stays_json():
-    config = LayerwiseConfig(num_capsules=np.int64(12), dropout=np.float32(0.25), cd_learning_rate=np.int32(2))
-    assert (config.num_capsules, config.dropout, config.cd_learning_rate) == (12, 0.25, 2.0)
-    assert [type(v) for v in (config.num_capsules, config.dropout, config.cd_learning_rate)] == [int, float, float]
+    config = LayerwiseConfig(num_capsules=np.int64(12), dropout=np.float32(0.25), cd_learning_rate=np.int32(2),
+                             center_code=np.bool_(False))
+    assert (config.num_capsules, config.dropout, config.cd_learning_rate, config.center_code) == (12, 0.25, 2.0, False)
+    assert [type(v) for v in (config.num_capsules, config.dropout, config.cd_learning_rate, config.center_code)] == [
+        int, float, float, bool]
     json.dumps(dataclasses.asdict(config))
     for values, message in (({"num_capsules": np.float64(12.0)}, "num_capsules must be an integer >= 1"),
                             ({"num_capsules": np.bool_(True)}, "num_capsules must be an integer >= 1"),
+                            ({"center_code": np.int64(1)}, "center_code must be true or false"),
                             ({"dropout": np.float32("nan")}, "dropout must be a finite number >= 0 and < 1"),
                             ({"cd_learning_rate": 10**400}, "cd_learning_rate must be a finite number > 0")):
         with pytest.raises(SettingError, match=message):
