@@ -84,6 +84,8 @@ def _result_grid(run, classifier, classes):
     """The classes and purity of the run's own grid, `samples.npz` (None if there is none)."""
     path = run.file("samples.npz")
     if not os.path.exists(path):
+        print("[evaluate] no samples.npz: the result grid is left out (scripts/sample.py, api.sample draw it)",
+              file=sys.stderr, flush=True)
         return None
     try:
         with np.load(path) as stored:
@@ -265,7 +267,10 @@ def evaluate_run(run_dir, config=None):
                                                        pipeline.num_upper, config.seed)
     result["class_mean_reference"] = _class_mean_reference(train, train_labels, classifier, classes)
     rbm = load_rbm(run)
-    if rbm is not None:
+    if rbm is None:
+        print("[evaluate] no trained Bernoulli RBM (models/rbm.keras): its figures are left out",
+              file=sys.stderr, flush=True)
+    else:
         with _phase("Bernoulli RBM"):
             result["rbm"] = _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classes,
                                          run, config)

@@ -142,6 +142,13 @@ def test_main_job_trains_samples_evaluates_and_resumes(tmp_path, mnist_dir):
     # resume adds nothing
     _check_environment(run, ["train", "sample", "evaluate", "train", "train", "sample", "evaluate"],
                        ["train_layerwise.py"] * 5 + ["sample.py", "evaluate.py"])
+    # a run without its grid or its RBM (not drawn, a stage not trained): evaluated without them, and says so
+    for name in ("samples.npz", os.path.join("models", "rbm.keras")):
+        os.remove(os.path.join(run, name))
+    out, err = _run("evaluate.py", "--run-dir", run, "--rows", "2", "--draws", "1", stderr=True)
+    assert "result_grid" not in json.loads(out) and "rbm" not in json.loads(out)
+    assert "[evaluate] no samples.npz: the result grid is left out" in err
+    assert "[evaluate] no trained Bernoulli RBM (models/rbm.keras): its figures are left out" in err
 
 
 def _check_environment(run, actions, scripts):
