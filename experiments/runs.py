@@ -236,9 +236,10 @@ def check_resumable(run, trained, config, names):
 
 def check_same_loss_scaling(run, trained, config):
     """An `InputError` if `config.precision` and the run's (`trained`, a state's settings) differ in loss
-    scaling: under mixed_float16 Keras wraps each optimizer in a `LossScaleOptimizer`, whose scale and step
-    count the checkpoints hold, so they cannot resume without it, nor a run without it with it. float32 and
-    mixed_bfloat16 scale no loss and may take each other's place."""
+    scaling: under mixed_float16 Keras wraps the optimizer of each trainer that differentiates a loss (every
+    one but the CD trainers) in a `LossScaleOptimizer`, whose scale and step count the checkpoints hold, so
+    they cannot resume without it, nor a run without it with it. float32 and mixed_bfloat16 scale no loss and
+    may take each other's place."""
     was = trained.get("precision")
     if was is not None and (was == "mixed_float16") != (config.precision == "mixed_float16"):
         raise InputError(f"{run.path} was trained with precision {was!r}; its checkpoints hold "

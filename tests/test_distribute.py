@@ -12,10 +12,12 @@ from keras import ops
 
 from poecaps import distribute, routing
 from poecaps.capsules import squash
+from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.models import CapsNet, MatrixCapsNet
+from poecaps.rbm import BernoulliRBM
 from poecaps.routing import TopDownAttention
-from poecaps.trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.cd import CDTrainer, DecoderTrainer, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.supervised import SupervisedTrainer
 
@@ -168,6 +170,49 @@ def test_a_router_made_under_a_float64_policy_routes_in_float64(rng, name):
     explicit(votes)
     explicit.set_weights(router.get_weights())
     np.testing.assert_array_equal(ops.convert_to_numpy(found.poses), ops.convert_to_numpy(explicit(votes).poses))
+
+
+def _cd_trainer(kind):
+    """A small trainer of each CD kind, its data, and the energy model whose weights it moves."""
+    data = np.random.default_rng(1)
+    if kind == "rbm":
+        model = BernoulliRBM(4, seed=0)
+        model.build((None, 12))
+        return CDTrainer(model, seed=0), (data.uniform(size=(16, 12)).astype("float32"),), model
+    model = CapsuleExperts(2, 4, kernel_initializer=keras.initializers.RandomNormal(stddev=0.3, seed=0))
+    model.build((None, 6, 3))
+    upper = np.asarray(squash(data.normal(size=(16, 6, 3)))).astype("float32")
+    if kind == "capsules":
+        return CDTrainer(model), (upper,), model
+    lower = np.asarray(squash(data.normal(size=(16, 2, 4)))).astype("float32")
+    return DecoderTrainer(model, "delta"), (upper, lower), model
+
+
+@pytest.mark.parametrize("kind", ["capsules", "rbm", "decoder"])
+def test_cd_under_mixed_float16_moves_the_weights_as_under_float32(kind):
+    """CD hands the optimizer closed-form float32 statistics, not a scaled loss's gradients. Under
+    mixed_float16 Keras would wrap the optimizer in a LossScaleOptimizer, which divides what it is given by
+    its scale (2^15 at first), so CD barely moved (by 3e-5 of its float32 movement). The CD trainers compile
+    without it: the same float32 operations on the same numbers, so the weights after two epochs agree with
+    float32's to float32 rounding. A LossScaleOptimizer given on purpose is refused."""
+    found = {}
+    for policy in ("float32", "mixed_float16"):
+        with distribute.precision_policy(policy):
+            keras.utils.set_random_seed(0)          # the RBM's initial weights and its Gibbs draws
+            trainer, data, model = _cd_trainer(kind)
+            trainer.compile(optimizer=default_optimizer(0.05))
+            start = [w.copy() for w in model.get_weights()]
+            fit_resumable(trainer, *data, epochs=2, batch_size=8, seed=0, verbose=0)
+            found[policy] = model.get_weights()
+            assert not isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    moved = max(np.abs(a - b).max() for a, b in zip(found["float32"], start))
+    assert moved > 1e-3
+    for a, b in zip(found["mixed_float16"], found["float32"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * moved)
+    with distribute.precision_policy("mixed_float16"):
+        trainer, _, _ = _cd_trainer(kind)
+        with pytest.raises(InputError, match="a LossScaleOptimizer would divide them by its scale"):
+            trainer.compile(optimizer=keras.optimizers.LossScaleOptimizer(default_optimizer(0.05)))
 
 
 def test_mixed_precision_keeps_energies_and_cd_in_float32(rng):

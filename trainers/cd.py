@@ -141,9 +141,18 @@ class CDTrainer(keras.Model):
         self.trackers = {name: keras.metrics.Mean(name=name)
                          for name in ("reconstruction_error", "p_on", "free_energy")}
 
-    def compile(self, *args, jit_compile="auto", **kwargs):
-        # With shards, each shard is its own XLA computation (see the class docstring).
-        super().compile(*args, jit_compile=False if self.shards > 1 else jit_compile, **kwargs)
+    def compile(self, *args, jit_compile="auto", auto_scale_loss=False, **kwargs):
+        """Keras' `compile`, with two differences. With shards, each shard is its own XLA computation (see the
+        class docstring). And no loss scaling: the optimizer receives CD's closed-form statistics, computed in
+        float32 (the energy models keep float32 under a mixed policy), not the gradients of a scaled loss, so
+        the `LossScaleOptimizer` that Keras puts in under mixed_float16 would divide them by its scale (2^15 at
+        first) and CD would barely move. Refused if the optimizer given is one."""
+        super().compile(*args, jit_compile=False if self.shards > 1 else jit_compile,
+                        auto_scale_loss=auto_scale_loss, **kwargs)
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            raise InputError(f"{type(self).__name__} hands the optimizer CD's statistics, not a scaled loss's "
+                             "gradients; a LossScaleOptimizer would divide them by its scale. Pass its "
+                             "inner_optimizer, or compile with auto_scale_loss=False.")
 
     @property
     def metrics(self):
