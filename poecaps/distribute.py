@@ -10,7 +10,10 @@ global batch.
 Precision: "mixed_float16" and "mixed_bfloat16" set Keras' global policy;
 routing layers and energy models keep a float32 policy, so routing, free
 energies and CD statistics stay in float32 (reductions in low precision lose
-the small differences CD is made of).
+the small differences CD is made of), and the CD trainers apply those
+statistics as they are, without mixed_float16's loss scaling (they are not
+the gradients of a loss). Every other trainer scales its loss
+(`replica_loss`).
 """
 
 import contextlib
