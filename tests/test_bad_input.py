@@ -361,3 +361,66 @@ def test_similarity_initial_weights_take_any_finite_number_and_refuse_the_rest(n
         with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
             SimilarityRouting(**{name: value})
     assert getattr(SimilarityRouting(**{name: np.float32(-2.5)}), name) == -2.5    # any sign: a learned weight's start
+
+
+def _weighable_trainers():
+    """Each trainer with a small model and a batch of the data its `fit` takes: `(name, make, x, y)`."""
+    from poecaps.models import VariationalAutoencoder
+    from poecaps.trainers.autoencoder import AutoencoderTrainer
+    from poecaps.trainers.cd import DecoderTrainer
+    from poecaps.trainers.generative import GenerativeCapsuleTrainer
+    from poecaps.trainers.variational import VariationalTrainer
+
+    rng = np.random.default_rng(0)
+    images = rng.uniform(size=(8, 12, 12, 1)).astype("float32")
+    upper = rng.uniform(-0.5, 0.5, size=(8, 5, 4)).astype("float32")
+    lower = rng.uniform(-0.5, 0.5, size=(8, 3, 2)).astype("float32")
+
+    def experts():
+        layer = CapsuleExperts(3, 2)
+        layer.build((None, 5, 4))
+        return layer
+
+    return [
+        ("supervised", lambda: SupervisedTrainer(CapsNet((12, 12, 1), 3, conv_filters=4, primary_types=2,
+                                                         primary_dim=4, class_dim=4, kernel_size=3)),
+         images, np.arange(8) % 3),
+        ("cd", lambda: CDTrainer(experts()), upper, None),
+        ("decoder", lambda: DecoderTrainer(experts(), "delta"), upper, lower),
+        ("rbm", lambda: CDTrainer(BernoulliRBM(3, seed=0)), images.reshape(8, -1), None),
+        ("autoencoder", lambda: AutoencoderTrainer(ConvAutoencoder(filters=4, kernel_size=3, dropout=0.0, seed=0)),
+         images, None),
+        ("generative", lambda: GenerativeCapsuleTrainer(GenerativeCapsules(2, 3, 4, seed=0), iterations=2),
+         upper, None),
+        ("variational", lambda: VariationalTrainer(VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5,
+                                                                          seed=0), seed=0), images, None),
+    ]
+
+
+@pytest.mark.parametrize("name, make, x, y", _weighable_trainers(), ids=[t[0] for t in _weighable_trainers()])
+def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y):
+    """Every trainer's loss (or CD statistic) is a batch mean that weighs examples alike: a batch with sample
+    weights is refused by the trainer's name, where they were ignored before, and no weight has moved; without
+    them the same data trains. With labels (or lower capsules), `fit(sample_weight=...)` and, for classes,
+    `class_weight`; without, a dataset of `(x, y, w)` batches (Keras itself drops a `sample_weight` given
+    with no y)."""
+    import tensorflow as tf
+
+    trainer = make()
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
+    labelled = {} if y is None else {"y": y}
+    trainer.fit(x, batch_size=4, epochs=1, verbose=0, **labelled)           # unweighted: trains
+    before = [w.copy() for w in trainer.get_weights()]
+    weights = np.linspace(0.5, 2.0, len(x)).astype("float32")
+    message = f"^{type(trainer).__name__} weighs every example alike; it takes no sample_weight or class_weight.$"
+    with pytest.raises(InputError, match=message):
+        trainer.fit(tf.data.Dataset.from_tensor_slices((x, x if y is None else y, weights)).batch(4), epochs=1,
+                    verbose=0)
+    if y is not None:
+        with pytest.raises(InputError, match=message):
+            trainer.fit(x, y, batch_size=4, epochs=1, verbose=0, sample_weight=weights)
+    if name == "supervised":
+        with pytest.raises(InputError, match=message):
+            trainer.fit(x, y, batch_size=4, epochs=1, verbose=0, class_weight={0: 1.0, 1: 2.0, 2: 1.0})
+    for a, b in zip(trainer.get_weights(), before):
+        np.testing.assert_array_equal(a, b)

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import distribute
+from poecaps.trainers.batch import unpack
 from poecaps.validation import check_images
 
 
@@ -51,7 +52,7 @@ class AutoencoderTrainer(keras.Model):
     def train_step(self, data):
         import tensorflow as tf
 
-        images = data[0] if isinstance(data, (tuple, list)) else data
+        images, _ = unpack(data, self)
         with tf.GradientTape() as tape:
             loss, mse = self._reconstruction_losses(images, training=True)
             scaled = distribute.replica_loss(self.optimizer, loss)
@@ -60,5 +61,5 @@ class AutoencoderTrainer(keras.Model):
         return self._report(loss, mse)
 
     def test_step(self, data):
-        images = data[0] if isinstance(data, (tuple, list)) else data
+        images, _ = unpack(data, self)
         return self._report(*self._reconstruction_losses(images, training=False))

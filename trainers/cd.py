@@ -9,6 +9,7 @@ from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.experts import DECODER_RULES, check_sparsity
 from poecaps.graphs import graph
+from poecaps.trainers.batch import unpack
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 from poecaps.validation import check_array, check_choice, check_flag, check_integers, check_number
@@ -173,7 +174,7 @@ class CDTrainer(keras.Model):
         return self.energy_model(self.preprocess(images))
 
     def _visible(self, data):
-        images = data[0] if isinstance(data, (tuple, list)) else data
+        images, _ = unpack(data, self)
         return ops.stop_gradient(self.preprocess(images))
 
     def _update_metrics(self, x, stats):
@@ -184,8 +185,7 @@ class CDTrainer(keras.Model):
         return {name: tracker.result() for name, tracker in self.trackers.items()}
 
     def train_step(self, data):
-        x = self._visible(data)
-        targets = data[1] if isinstance(data, (tuple, list)) and len(data) > 1 else None
+        x, targets = self._visible(data), unpack(data, self)[1]
         chain = None if self.chain is None else ops.convert_to_tensor(self.chain)
         if self._shard_step is None:
             grads, negatives, stats = self._one_shard(x, chain, targets)
@@ -247,7 +247,7 @@ class DecoderTrainer(CDTrainer):
         return {name: tracker.result() for name, tracker in self.trackers.items()}
 
     def test_step(self, data):
-        _, _, stats = self.energy_model.decoder_gradients(self._visible(data), data[1], self.rule)
+        _, _, stats = self.energy_model.decoder_gradients(self._visible(data), unpack(data, self)[1], self.rule)
         return self._update_metrics(None, stats)
 
 

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from poecaps import distribute
 from poecaps.trainers import CHILD_WEIGHTS
+from poecaps.trainers.batch import unpack
 from poecaps.validation import check_choice, check_integer
 
 
@@ -69,7 +70,7 @@ class GenerativeCapsuleTrainer(keras.Model):
         return per_child, entropy
 
     def train_step(self, data):
-        children = data[0] if isinstance(data, tuple) else data
+        children, _ = unpack(data, self)
         a = child_activations(children, self.child_weights)
         found = self.layer.infer(children, a, iterations=self.iterations)
         v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
@@ -83,7 +84,7 @@ class GenerativeCapsuleTrainer(keras.Model):
         return {m.name: m.result() for m in self.metrics}
 
     def test_step(self, data):
-        children = data[0] if isinstance(data, tuple) else data
+        children, _ = unpack(data, self)
         a = child_activations(children, self.child_weights)
         found = self.layer.infer(children, a, iterations=self.iterations)
         per_child, entropy = self._statistics(children, a, found.poses, found.coefficients)

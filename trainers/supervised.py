@@ -6,6 +6,7 @@ from keras import ops
 
 from poecaps import distribute, transforms
 from poecaps.graphs import graph
+from poecaps.trainers.batch import unpack
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 from poecaps.validation import check_images, check_integer, check_labels
 
@@ -70,7 +71,7 @@ class SupervisedTrainer(keras.Model):
         return None if self.optimizer is None else self.optimizer.iterations
 
     def train_step(self, data):
-        images, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
+        images, labels = unpack(data, self)
         # Shifted here, outside the shards, which would otherwise share the seed generator.
         if self.max_shift:
             images = transforms.random_shift(images, self.max_shift, seed=self.seed_generator)
@@ -107,7 +108,7 @@ class SupervisedTrainer(keras.Model):
         return grads, loss, scores, terms
 
     def test_step(self, data):
-        images, labels, _ = keras.utils.unpack_x_y_sample_weight(data)
+        images, labels = unpack(data, self)
         loss, scores, terms = self.network.loss_terms(images, labels, training=False)
         return self._update_metrics(loss, labels, scores, terms)
 

@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from poecaps import distribute
+from poecaps.trainers.batch import unpack
 
 
 class VariationalTrainer(keras.Model):
@@ -56,7 +57,7 @@ class VariationalTrainer(keras.Model):
         return {name: m.result() for name, m in self.trackers.items()}
 
     def train_step(self, data):
-        images = data[0] if isinstance(data, tuple) else data
+        images, _ = unpack(data, self)
         seed = tf.stack([tf.constant(self.seed, tf.int64), self.draws])
         self.draws.assign_add(1)
         pixels = float(images.shape[1] * images.shape[2])
@@ -69,5 +70,5 @@ class VariationalTrainer(keras.Model):
         return self._update(images, terms)
 
     def test_step(self, data):
-        images = data[0] if isinstance(data, tuple) else data
+        images, _ = unpack(data, self)
         return self._update(images, self.model.bound(images, seed=tf.constant([self.seed, -1], tf.int64)))
