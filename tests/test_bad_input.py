@@ -415,7 +415,7 @@ def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y)
     message = f"^{type(trainer).__name__} weighs every example alike; it takes no sample_weight or class_weight.$"
     with pytest.raises(InputError, match=message):
         trainer.fit(tf.data.Dataset.from_tensor_slices((x, x if y is None else y, weights)).batch(4), epochs=1,
-                    verbose=0)
+                    shuffle=False, verbose=0)
     if y is not None:
         with pytest.raises(InputError, match=message):
             trainer.fit(x, y, batch_size=4, epochs=1, verbose=0, sample_weight=weights)
