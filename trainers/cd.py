@@ -173,9 +173,10 @@ class CDTrainer(keras.Model):
     def call(self, images):
         return self.energy_model(self.preprocess(images))
 
-    def _visible(self, data):
-        images, _ = unpack(data, self)
-        return ops.stop_gradient(self.preprocess(images))
+    def _batch(self, data):
+        """`(visible units, targets or None)` of a batch: its images through the frozen `preprocess`."""
+        images, targets = unpack(data, self)
+        return ops.stop_gradient(self.preprocess(images)), targets
 
     def _update_metrics(self, x, stats):
         error = ops.mean(ops.square(ops.reshape(x - stats["reconstruction"], (ops.shape(x)[0], -1))))
@@ -185,7 +186,7 @@ class CDTrainer(keras.Model):
         return {name: tracker.result() for name, tracker in self.trackers.items()}
 
     def train_step(self, data):
-        x, targets = self._visible(data), unpack(data, self)[1]
+        x, targets = self._batch(data)
         chain = None if self.chain is None else ops.convert_to_tensor(self.chain)
         if self._shard_step is None:
             grads, negatives, stats = self._one_shard(x, chain, targets)
@@ -203,7 +204,7 @@ class CDTrainer(keras.Model):
         return cd_step(self.energy_model, x, self.steps, chain, self.l2, self.sparsity)
 
     def test_step(self, data):
-        x = self._visible(data)
+        x, _ = self._batch(data)
         _, _, stats = self.energy_model.cd_gradients(x, steps=1)
         return self._update_metrics(x, stats)
 
@@ -247,7 +248,7 @@ class DecoderTrainer(CDTrainer):
         return {name: tracker.result() for name, tracker in self.trackers.items()}
 
     def test_step(self, data):
-        _, _, stats = self.energy_model.decoder_gradients(self._visible(data), unpack(data, self)[1], self.rule)
+        _, _, stats = self.energy_model.decoder_gradients(*self._batch(data), self.rule)
         return self._update_metrics(None, stats)
 
 

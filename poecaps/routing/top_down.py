@@ -51,10 +51,9 @@ class TopDownAttention(keras.layers.Layer):
 
     def build(self, children_shape, predictions_shape=None):
         children_shape, predictions_shape = tuple(children_shape), tuple(predictions_shape or ())
-        if (len(children_shape) != 3 or len(predictions_shape) != 4
-                or any(a is not None and b is not None and a != b
-                       for a, b in zip(children_shape[:2] + children_shape[-1:],
-                                       predictions_shape[:2] + predictions_shape[-1:]))):
+        same = lambda a, b: a is None or b is None or a == b          # an unknown size fits any
+        if not (len(children_shape) == 3 and len(predictions_shape) == 4
+                and all(same(children_shape[k], predictions_shape[k]) for k in (0, 1, -1))):
             raise InputError(f"{type(self).__name__} {self.name!r}: children must be [B, I, D] and predictions "
                              f"[B, I, J, D] with the same B, I and D. Received: children {children_shape}, "
                              f"predictions {predictions_shape}")
