@@ -363,7 +363,7 @@ def test_similarity_initial_weights_take_any_finite_number_and_refuse_the_rest(n
     assert getattr(SimilarityRouting(**{name: np.float32(-2.5)}), name) == -2.5    # any sign: a learned weight's start
 
 
-def _weighable_trainers():
+def _each_trainer():
     """Each trainer with a small model and a batch of the data its `fit` takes: `(name, make, x, y)`."""
     from poecaps.models import VariationalAutoencoder
     from poecaps.trainers.autoencoder import AutoencoderTrainer
@@ -397,7 +397,7 @@ def _weighable_trainers():
     ]
 
 
-@pytest.mark.parametrize("name, make, x, y", _weighable_trainers(), ids=[t[0] for t in _weighable_trainers()])
+@pytest.mark.parametrize("name, make, x, y", _each_trainer(), ids=[t[0] for t in _each_trainer()])
 def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y):
     """Every trainer's loss (or CD statistic) is a batch mean that weighs examples alike: a batch with sample
     weights is refused by the trainer's name, where they were ignored before, and no weight has moved; without
@@ -424,3 +424,27 @@ def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y)
             trainer.fit(x, y, batch_size=4, epochs=1, verbose=0, class_weight={0: 1.0, 1: 2.0, 2: 1.0})
     for a, b in zip(trainer.get_weights(), before):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name, make, x, y", _each_trainer(), ids=[t[0] for t in _each_trainer()])
+def test_trainers_refuse_a_compiled_loss_or_metrics_that_they_would_ignore(name, make, x, y):
+    """Every trainer trains by its own objective and reports its own metrics, so a `loss`, `loss_weights`,
+    `metrics` or `weighted_metrics` given to `compile` (by keyword, or the loss by position) is refused by name,
+    where before it was ignored: not used by `train_step`, not in the history. The optimizer alone compiles and
+    trains."""
+    trainer = make()
+    for given, expected in [
+            ({"loss": "mse"}, "loss. Received: loss='mse'"),
+            ({"metrics": ["mae"]}, "metrics. Received: metrics=['mae']"),
+            ({"loss_weights": [2.0], "weighted_metrics": ["mae"]},
+             "loss_weights, weighted_metrics. Received: loss_weights=[2.0], weighted_metrics=['mae']")]:
+        message = (f"{type(trainer).__name__} trains by its own objective and reports its own metrics; "
+                   f"compile takes no {expected}")
+        with pytest.raises(InputError, match="^" + re.escape(message) + "$"):
+            trainer.compile(optimizer=keras.optimizers.SGD(1e-3), **given)
+    with pytest.raises(InputError, match="compile takes no loss. Received: loss='mse'$"):
+        trainer.compile(keras.optimizers.SGD(1e-3), "mse")
+    trainer.compile(keras.optimizers.SGD(1e-3))
+    labelled = {} if y is None else {"y": y}
+    history = trainer.fit(x, batch_size=4, epochs=1, verbose=0, **labelled).history
+    assert set(history) == {metric.name for metric in trainer.metrics}

@@ -4,11 +4,12 @@ import keras
 from keras import ops
 
 from poecaps import distribute
+from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 from poecaps.validation import check_images
 
 
-class AutoencoderTrainer(keras.Model):
+class AutoencoderTrainer(Trainer):
     """Trains a `ConvAutoencoder` to reconstruct images (Hauser section 4.1).
 
     Loss: binary cross-entropy between images in [0, 1] and the sigmoid

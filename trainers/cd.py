@@ -9,6 +9,7 @@ from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.experts import DECODER_RULES, check_sparsity
 from poecaps.graphs import graph
+from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
@@ -63,7 +64,7 @@ def default_optimizer(learning_rate=0.05, decay_steps=1000, decay_rate=0.95, mom
     return keras.optimizers.SGD(learning_rate=ScaledSchedule(schedule), momentum=momentum)
 
 
-class CDTrainer(keras.Model):
+class CDTrainer(Trainer):
     """Trains an energy model (`poecaps.experts.EnergyModel`) with CD-k or persistent CD.
 
     `train_step` maps images to the model's visible units with the frozen

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from poecaps import distribute
 from poecaps.trainers import CHILD_WEIGHTS
+from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 from poecaps.validation import check_choice, check_integer
 
@@ -22,7 +23,7 @@ def child_activations(children, child_weights):
     return tf.norm(children, axis=-1)
 
 
-class GenerativeCapsuleTrainer(keras.Model):
+class GenerativeCapsuleTrainer(Trainer):
     """Learns `GenerativeCapsules`' G, kappa, sigma and mixing weights by generalised EM (Kiefer et al., spec).
 
     `train_step` infers the parents of a batch of children (`layer.infer`

@@ -6,12 +6,13 @@ from keras import ops
 
 from poecaps import distribute, transforms
 from poecaps.graphs import graph
+from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 from poecaps.validation import check_images, check_integer, check_labels
 
 
-class SupervisedTrainer(keras.Model):
+class SupervisedTrainer(Trainer):
     """Trains a classifier network by its own loss, `network.loss_terms(images, labels, training, step)`.
 
     `train_step` shifts each image by up to `max_shift` whole pixels (Sabour's

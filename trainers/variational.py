@@ -4,10 +4,11 @@ import keras
 import tensorflow as tf
 
 from poecaps import distribute
+from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 
 
-class VariationalTrainer(keras.Model):
+class VariationalTrainer(Trainer):
     """Raises a model's variational bound jointly in its generative and encoder weights.
 
     The model gives `bound(images, seed, training)`, a dict of per-image terms `[B]`

@@ -1,0 +1,29 @@
+"""The one base of the trainers: a `keras.Model` that trains by its own objective."""
+
+import keras
+
+from poecaps.errors import InputError
+
+# `keras.Model.compile`'s arguments that a trainer's own `train_step` and `test_step` never read.
+OWN_OBJECTIVE = ("loss", "loss_weights", "metrics", "weighted_metrics")
+
+
+class Trainer(keras.Model):
+    """A `keras.Model` whose `train_step` raises its own objective and reports its own `metrics`.
+
+    Its loss is fixed by the model it trains (a bound, CD's statistics, a
+    network's `loss_terms`), so `compile` takes the optimizer and Keras'
+    execution settings alone: a `loss`, `loss_weights`, `metrics` or
+    `weighted_metrics` given to it would be ignored by `train_step` and
+    missing from the history, and raises an `InputError` naming them.
+    """
+
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None, weighted_metrics=None,
+                **kwargs):
+        given = {name: value for name, value in zip(OWN_OBJECTIVE, (loss, loss_weights, metrics, weighted_metrics))
+                 if value is not None}
+        if given:
+            raise InputError(f"{type(self).__name__} trains by its own objective and reports its own metrics; "
+                             f"compile takes no {', '.join(given)}. "
+                             f"Received: {', '.join(f'{name}={value!r}' for name, value in given.items())}")
+        super().compile(optimizer=optimizer, **kwargs)
