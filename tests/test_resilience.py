@@ -99,6 +99,32 @@ def test_resuming_mid_epoch_reaches_the_uninterrupted_weights(tmp_path, make, da
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsules):
+    """Compiled with `steps_per_execution=3`, Keras calls back after steps 3 and 6 of an epoch of 6 (48
+    examples in batches of 8): `save_every=2` writes after step 3 (steps 1-3 reached 2) and at the epoch's end,
+    where before only steps that were multiples of 2 were looked at, and the epoch's end alone was written.
+    A run resumed from step 3 reaches the uninterrupted weights."""
+    def make(seed=0):
+        trainer = _capsule_trainer(seed)
+        trainer.compile(optimizer=default_optimizer(0.05, 6, 0.9, 0.9), steps_per_execution=3)
+        return trainer
+
+    whole = make()
+    fit_resumable(whole, capsules, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "a"),
+                  save_every=2, verbose=0)
+    part = make()
+    fit_resumable(part, capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
+                  save_every=2, verbose=0)
+    paths = CheckpointManager(str(tmp_path / "b")).paths()
+    assert [os.path.basename(p) for p in paths] == ["ckpt-000000006.npz", "ckpt-000000003.npz"]
+    os.remove(paths[0])
+    resumed = make(seed=5)
+    fit_resumable(resumed, capsules, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
+                  save_every=2, resume=True, verbose=0)
+    for a, b in zip(_weights(whole), _weights(resumed)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_checkpoint_holds_optimizer_seed_and_learning_rate_scale(tmp_path, binary):
     trainer = _rbm_trainer()
     fit_resumable(trainer, binary, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path), verbose=0)

@@ -83,7 +83,13 @@ class EpochBatches(keras.utils.PyDataset):
 
 
 class StepCheckpoint(keras.callbacks.Callback):
-    """Writes a checkpoint every `every` steps (0: never) and at the end of every epoch."""
+    """Writes a checkpoint every `every` steps (0: never) and at the end of every epoch.
+
+    Keras calls back after each `steps_per_execution` steps (`compile`), with
+    the index of the last one; a checkpoint is written after every call whose
+    steps reached a multiple of `every`, so with `steps_per_execution > every`
+    at every call.
+    """
 
     def __init__(self, manager, steps_per_epoch, every=0, start_step=0):
         super().__init__()
@@ -92,14 +98,18 @@ class StepCheckpoint(keras.callbacks.Callback):
         self.every = every
         self.start_step = start_step
         self.epoch = 0
+        self.done = 0       # the global step reached at the last call
 
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
+        self.done = epoch * self.steps_per_epoch + self.start_step
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.start_step + batch + 1
         global_step = self.epoch * self.steps_per_epoch + step
-        if self.every and global_step % self.every == 0 and step < self.steps_per_epoch:
+        crossed = self.every and global_step // self.every > self.done // self.every
+        self.done = global_step
+        if crossed and step < self.steps_per_epoch:
             self.manager.save(self.model, self.epoch, step, global_step)
 
     def on_epoch_end(self, epoch, logs=None):
