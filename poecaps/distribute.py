@@ -13,7 +13,9 @@ energies and CD statistics stay in float32 (reductions in low precision lose
 the small differences CD is made of), and the CD trainers apply those
 statistics as they are, without mixed_float16's loss scaling (they are not
 the gradients of a loss). Every other trainer scales its loss
-(`replica_loss`).
+(`replica_loss`). Under a float64 policy (`keras.config.set_floatx("float64")`)
+every layer, router, energy model and trainer computes in float64
+(`routing_compute_dtype`).
 """
 
 import contextlib
@@ -64,6 +66,14 @@ def routing_dtype(dtype=None):
     if dtype is None and keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16"):
         return "float32"
     return dtype
+
+
+def routing_compute_dtype(tensor):
+    """The dtype a router computes in for `tensor` (its votes): float64 stays float64; anything else (float32,
+    or the float16 or bfloat16 of a mixed policy) routes in float32."""
+    import keras
+
+    return "float64" if keras.backend.standardize_dtype(tensor.dtype) == "float64" else "float32"
 
 
 def num_replicas():

@@ -9,7 +9,7 @@ Every energy model offers `free_energy(x) -> [B]`, `p_on(x) -> [B, J]`,
 import keras
 from keras import ops
 
-from poecaps import energy
+from poecaps import distribute, energy
 from poecaps.capsules import squash, unsquash
 from poecaps.errors import InputError
 from poecaps.layers.capsule_dense import CapsuleDense
@@ -101,8 +101,8 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
             routing = {"module": "poecaps.routing.dynamic", "class_name": "DynamicRouting",
                        "config": {"iterations": 3, "agreement": "cosine"},
                        "registered_name": "poecaps>DynamicRouting"}
-        # Energies and CD statistics stay float32 under a mixed-precision policy.
-        kwargs.setdefault("dtype", "float32")
+        # Energies and CD statistics stay float32 under a mixed-precision policy (float64 under a float64 one).
+        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(num_capsules, capsule_dim, routing=routing, **kwargs)
 
     @property

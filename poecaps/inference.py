@@ -69,7 +69,7 @@ def descend(smooth_energy, states, steps, learning_rate, l1=None, record=None):
                 energy = energy + weight * tf.reduce_sum(_norm(x), axis=tuple(range(1, x.shape.rank - 1)))
         return energy
 
-    keep = record or (lambda xs: tf.zeros(()))
+    keep = record or (lambda xs: tf.zeros((), xs[0].dtype))
 
     def body(k, xs, trace, kept):
         with tf.GradientTape() as tape:

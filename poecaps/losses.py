@@ -49,6 +49,7 @@ def spread_loss(labels, activations, margin):
     """
     t = _one_hot(labels, activations.shape[-1], activations.dtype)
     a_target = ops.sum(t * activations, axis=-1, keepdims=True)
+    margin = ops.cast(margin, activations.dtype)
     return ops.sum((1.0 - t) * ops.square(ops.relu(margin - (a_target - activations))), axis=-1)
 
 

@@ -34,7 +34,8 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
     draws_random_numbers = True   # the Gibbs sampler (see EnergyModel)
 
     def __init__(self, num_hidden, seed=None, **kwargs):
-        kwargs.setdefault("dtype", "float32")   # energies stay float32 under mixed precision
+        # Energies stay float32 under mixed precision (float64 under a float64 policy).
+        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(**kwargs)
         self.num_hidden = check_integer(num_hidden, "num_hidden")
         self.seed = seed

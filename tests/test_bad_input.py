@@ -10,6 +10,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from small_trainers import TRAINER_NAMES, each_trainer
 
 from poecaps import data as data_lib
 from poecaps import routing
@@ -363,41 +364,7 @@ def test_similarity_initial_weights_take_any_finite_number_and_refuse_the_rest(n
     assert getattr(SimilarityRouting(**{name: np.float32(-2.5)}), name) == -2.5    # any sign: a learned weight's start
 
 
-def _each_trainer():
-    """Each trainer with a small model and a batch of the data its `fit` takes: `(name, make, x, y)`."""
-    from poecaps.models import VariationalAutoencoder
-    from poecaps.trainers.autoencoder import AutoencoderTrainer
-    from poecaps.trainers.cd import DecoderTrainer
-    from poecaps.trainers.generative import GenerativeCapsuleTrainer
-    from poecaps.trainers.variational import VariationalTrainer
-
-    rng = np.random.default_rng(0)
-    images = rng.uniform(size=(8, 12, 12, 1)).astype("float32")
-    upper = rng.uniform(-0.5, 0.5, size=(8, 5, 4)).astype("float32")
-    lower = rng.uniform(-0.5, 0.5, size=(8, 3, 2)).astype("float32")
-
-    def experts():
-        layer = CapsuleExperts(3, 2)
-        layer.build((None, 5, 4))
-        return layer
-
-    return [
-        ("supervised", lambda: SupervisedTrainer(CapsNet((12, 12, 1), 3, conv_filters=4, primary_types=2,
-                                                         primary_dim=4, class_dim=4, kernel_size=3)),
-         images, np.arange(8) % 3),
-        ("cd", lambda: CDTrainer(experts()), upper, None),
-        ("decoder", lambda: DecoderTrainer(experts(), "delta"), upper, lower),
-        ("rbm", lambda: CDTrainer(BernoulliRBM(3, seed=0)), images.reshape(8, -1), None),
-        ("autoencoder", lambda: AutoencoderTrainer(ConvAutoencoder(filters=4, kernel_size=3, dropout=0.0, seed=0)),
-         images, None),
-        ("generative", lambda: GenerativeCapsuleTrainer(GenerativeCapsules(2, 3, 4, seed=0), iterations=2),
-         upper, None),
-        ("variational", lambda: VariationalTrainer(VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5,
-                                                                          seed=0), seed=0), images, None),
-    ]
-
-
-@pytest.mark.parametrize("name, make, x, y", _each_trainer(), ids=[t[0] for t in _each_trainer()])
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
 def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y):
     """Every trainer's loss (or CD statistic) is a batch mean that weighs examples alike: a batch with sample
     weights is refused by the trainer's name, where they were ignored before, and no weight has moved; without
@@ -426,7 +393,7 @@ def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y)
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("name, make, x, y", _each_trainer(), ids=[t[0] for t in _each_trainer()])
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
 def test_trainers_refuse_a_compiled_loss_or_metrics_that_they_would_ignore(name, make, x, y):
     """Every trainer trains by its own objective and reports its own metrics, so a `loss`, `loss_weights`,
     `metrics` or `weighted_metrics` given to `compile` (by keyword, or the loss by position) is refused by name,

@@ -1,5 +1,6 @@
-"""tf.distribute (2 logical CPU devices) against one device, and mixed precision."""
+"""tf.distribute (2 logical CPU devices) against one device, mixed precision and float64."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
+from small_trainers import TRAINER_NAMES, each_trainer
 
 from poecaps import distribute, routing
 from poecaps.capsules import squash
@@ -152,26 +154,6 @@ def test_top_down_attention_attends_in_float32_under_a_mixed_policy(rng, policy)
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("name", ["similarity", "generative"])
-def test_a_router_made_under_a_float64_policy_routes_in_float64(rng, name):
-    """Only mixed policies pin routers to float32; under float64 a router that routes in its votes' dtype
-    gets float64 votes and returns float64, as one made with dtype="float64" does."""
-    votes = rng.normal(size=(2, 6, 3, 4))
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy("float64")
-    try:
-        router = routing.get(name)
-        found = router(votes)
-    finally:
-        keras.config.set_dtype_policy(previous)
-    assert router.compute_dtype == "float64"
-    assert keras.backend.standardize_dtype(found.poses.dtype) == "float64"
-    explicit = routing.get(name, dtype="float64")
-    explicit(votes)
-    explicit.set_weights(router.get_weights())
-    np.testing.assert_array_equal(ops.convert_to_numpy(found.poses), ops.convert_to_numpy(explicit(votes).poses))
-
-
 def _cd_trainer(kind):
     """A small trainer of each CD kind, its data, and the energy model whose weights it moves."""
     data = np.random.default_rng(1)
@@ -226,3 +208,85 @@ def test_mixed_precision_keeps_energies_and_cd_in_float32(rng):
     assert layer.compute_dtype == "float32"
     assert keras.backend.standardize_dtype(layer.free_energy(x).dtype) == "float32"
     assert np.isfinite(history["reconstruction_error"]).all()
+
+
+@contextlib.contextmanager
+def _float64():
+    """Keras' float64 set-up, `floatx` and the global dtype policy both, restored after."""
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
+
+
+@pytest.mark.parametrize("name", routing.names())
+def test_every_routing_routes_in_float64_under_a_float64_policy(rng, name):
+    """A router made under float64 and handed float64 votes routes in float64, as `Routing` promises.
+
+    Votes moved by 1e-9 of their size (far below float32's resolution, 6e-8, far above float64's, 1e-16) move
+    every output, so the arithmetic carried float64 throughout: a router that rounds the votes (or its
+    weights) to float32 anywhere gives the unmoved result bit for bit, as EM, connectionist and sparse
+    inference routing did. Against the same router and weights under float32 the outputs agree to float32
+    rounding (a few 1e-7, grown a little by the rounds; the tolerance of the mixed-policy test)."""
+    votes = rng.normal(size=(2, 6, 3, 4))
+    activations = rng.uniform(0.1, 1.0, size=(2, 6))
+    moved = votes * (1.0 + 1e-9 * rng.choice([-1.0, 1.0], size=votes.shape))
+    with _float64():
+        router = routing.get(name)
+        found = router(votes, activations)
+        found_moved = router(moved, activations)
+    plain = routing.get(name)
+    plain(votes.astype("float32"), activations.astype("float32"))
+    plain.set_weights(router.get_weights())
+    expected = plain(votes.astype("float32"), activations.astype("float32"))
+    for field, got, got_moved, want in zip(expected._fields, found, found_moved, expected):
+        got, got_moved = ops.convert_to_numpy(got), ops.convert_to_numpy(got_moved)
+        assert got.dtype == np.float64 and got_moved.dtype == np.float64, field
+        assert {w.dtype for w in router.weights} <= {"float64"}, field
+        np.testing.assert_allclose(got, ops.convert_to_numpy(want), rtol=1e-5, atol=1e-6, err_msg=field)
+        if field != "coefficients" or name not in ("uniform", "sparse_inference"):   # theirs are constants
+            assert not np.array_equal(got, got_moved), field
+
+
+@pytest.mark.parametrize("name, make, x, y", each_trainer("float64"), ids=TRAINER_NAMES)
+def test_every_trainer_trains_in_float64_under_a_float64_policy(name, make, x, y):
+    """Under Keras' float64 set-up each trainer trains on float64 data with float64 weights and finite
+    metrics. Before, the energy models were pinned to float32, and constants and casts of float32 in the
+    CD descent, the reconstruction losses and the VAE's draws met float64 tensors: six of the seven failed
+    with a dtype mismatch."""
+    with _float64():
+        trainer = make()
+        trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
+        history = trainer.fit(x, y, batch_size=4, epochs=2, verbose=0).history
+    assert {w.dtype for w in trainer.weights if "float" in w.dtype} == {"float64"}
+    assert history and all(np.isfinite(values).all() for values in history.values())
+
+
+def test_matrix_capsules_and_the_probabilistic_capsule_model_train_in_float64():
+    """The two networks whose float32 constants met float64 tensors: matrix capsules (the spread loss's margin)
+    and the probabilistic capsule model (the pose offsets, the dummy parent's binding and spread, and every
+    draw of `generate`). Under Keras' float64 set-up each trains with float64 weights and finite metrics; the
+    model's samples and its test-time refinement are float64 too."""
+    from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsules
+    from poecaps.trainers.variational import VariationalTrainer
+
+    data = np.random.default_rng(0)
+    with _float64():
+        matrix = SupervisedTrainer(MatrixCapsNet((28, 28, 1), 3, routing_iterations=2, a=4, b=2, c=2, d=2))
+        capsules = VariationalTrainer(ProbabilisticCapsuleAutoencoder(
+            ProbabilisticCapsules(image_size=(12, 12), num_top=3, num_parts=4, template_size=5, seed=1),
+            channels=8, hidden=16, encoding=8, blocks=2, inducing=4, heads=2, seed=2), seed=0)
+        for trainer, x, y in [(matrix, data.uniform(size=(8, 28, 28, 1)), np.arange(8) % 3),
+                              (capsules, data.uniform(size=(8, 12, 12, 1)), None)]:
+            trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
+            history = trainer.fit(x, y, batch_size=4, epochs=1, verbose=0).history
+            assert {w.dtype for w in trainer.weights if "float" in w.dtype} == {"float64"}
+            assert all(np.isfinite(values).all() for values in history.values())
+        drawn = capsules.model.generative.generate(3, seed=0)
+        refined = capsules.model.refine(x[:2], 2)
+    assert {str(ops.convert_to_numpy(t).dtype) for t in drawn.values() if t.dtype.is_floating} == {"float64"}
+    assert {str(ops.convert_to_numpy(t).dtype) for t in refined.values()} == {"float64"}

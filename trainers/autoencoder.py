@@ -39,7 +39,7 @@ class AutoencoderTrainer(Trainer):
         return self.autoencoder(images, training=training)
 
     def _reconstruction_losses(self, images, training):
-        reconstruction = ops.cast(self.autoencoder(images, training=training), "float32")
+        reconstruction = ops.cast(self.autoencoder(images, training=training), images.dtype)
         loss = ops.mean(keras.losses.binary_crossentropy(
             ops.reshape(images, (ops.shape(images)[0], -1)),
             ops.reshape(reconstruction, (ops.shape(images)[0], -1))))

@@ -143,7 +143,7 @@ class CapsNet(keras.Model):
         terms = {"margin_loss": margin}
         total = margin
         if self.reconstruction:
-            recon = ops.cast(self.reconstruct(result.poses, labels), "float32")
+            recon = ops.cast(self.reconstruct(result.poses, labels), images.dtype)
             terms["reconstruction_loss"] = ops.mean(losses.reconstruction_loss(images, recon))
             total = total + self.reconstruction_weight * terms["reconstruction_loss"]
         return total, result.activations, terms

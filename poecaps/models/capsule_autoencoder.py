@@ -327,7 +327,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         entropy = None
         if self.localisation:
             entropy = -ops.sum(weights * tf.nn.log_softmax(cells[..., 7], axis=1), axis=1)
-        return pooled[..., 0], pooled[..., 1:] + self.part_pose_offset, entropy
+        return pooled[..., 0], pooled[..., 1:] + tf.cast(self.part_pose_offset, pooled.dtype), entropy
 
     def encode_top(self, part_presence, part_pose, training=False):
         """`(presence logits [B, K], poses A_i [B, K, 6])` of q(t_i, A_i | t_j, A_j)."""

@@ -128,7 +128,7 @@ class ProbabilisticCapsules(keras.layers.Layer):
     def bindings(self):
         """`rho_ij [K + 1, N]`, row 0 the dummy's."""
         rho = tf.nn.softplus(self.binding_raw)
-        return tf.concat([tf.fill([1, self.num_parts], self.rho_dummy), rho], axis=0)
+        return tf.concat([tf.fill([1, self.num_parts], tf.constant(self.rho_dummy, rho.dtype)), rho], axis=0)
 
     # -- the layers of the model ---------------------------------------------------------------------------
     def parent_log_weights(self, top_presence):
@@ -152,7 +152,8 @@ class ProbabilisticCapsules(keras.layers.Layer):
         t = part_presence[:, :, None]
         presence = concrete.log_prob(t, tf.transpose(self.presence_logits)[None], self.temperature)
         pose = (part_pose + tf.constant(_IDENTITY, part_pose.dtype))[:, :, None, :]             # P_j [B, N, 1, 6]
-        spreads = tf.concat([tf.fill([self.num_parts, 1], self.c_dummy), tf.transpose(self.spreads())], axis=1)
+        c_dummy = tf.fill([self.num_parts, 1], tf.constant(self.c_dummy, part_pose.dtype))
+        spreads = tf.concat([c_dummy, tf.transpose(self.spreads())], axis=1)
         on = _gaussian_log_prob(pose, self.predicted_part_poses(top_pose), spreads[None])
         off = _gaussian_log_prob(part_pose[:, :, None, :], 0.0, tf.constant(self.lambda_off, part_pose.dtype)[None])
         t = tf.clip_by_value(t, 1e-6, 1.0 - 1e-6)
@@ -218,25 +219,26 @@ class ProbabilisticCapsules(keras.layers.Layer):
         `top_pose`, `part_pose` (the `A`s), `parents [B, N]` (0 the dummy).
         """
         seeds = tf.random.experimental.stateless_split(tf.constant([self.seed, int(seed)], tf.int64), 7)
-        k, n = self.num_top, self.num_parts
-        top_presence = tf.cast(tf.random.stateless_uniform([batch_size, k], seeds[0]) < tf.sigmoid(self.top_logits),
-                               "float32")
-        top_pose = tf.random.stateless_normal([batch_size, k, 6], seeds[1])
+        k, n, dtype = self.num_top, self.num_parts, self.top_logits.dtype
+        top_presence = tf.cast(tf.random.stateless_uniform([batch_size, k], seeds[0], dtype=dtype)
+                               < tf.sigmoid(self.top_logits), dtype)
+        top_pose = tf.random.stateless_normal([batch_size, k, 6], seeds[1], dtype=dtype)
         log_pi = self.parent_log_weights(top_presence)                                            # [B, N, K + 1]
         parents = tf.reshape(tf.random.stateless_categorical(tf.reshape(log_pi, [-1, k + 1]), 1, seeds[2]),
                              [batch_size, n])
-        chosen = tf.one_hot(parents, k + 1)                                                        # [B, N, K + 1]
+        chosen = tf.one_hot(parents, k + 1, dtype=dtype)                                           # [B, N, K + 1]
         gamma = tf.reduce_sum(chosen * tf.sigmoid(tf.transpose(self.presence_logits))[None], -1)
-        part_presence = tf.cast(tf.random.stateless_uniform([batch_size, n], seeds[3]) < gamma, "float32")
+        part_presence = tf.cast(tf.random.stateless_uniform([batch_size, n], seeds[3], dtype=dtype) < gamma, dtype)
         means = tf.gather(self.predicted_part_poses(top_pose), parents, axis=2, batch_dims=2)        # [B, N, 6]
-        spreads = tf.concat([tf.fill([n, 1], self.c_dummy), tf.transpose(self.spreads())], axis=1)  # [N, K + 1]
+        spreads = tf.concat([tf.fill([n, 1], tf.constant(self.c_dummy, dtype)), tf.transpose(self.spreads())],
+                            axis=1)                                                                # [N, K + 1]
         spread = tf.reduce_sum(chosen * spreads[None], -1)
-        on = means + spread[..., None] * tf.random.stateless_normal([batch_size, n, 6], seeds[4])
-        on = on - tf.constant(_IDENTITY)
-        off = self.lambda_off * tf.random.stateless_normal([batch_size, n, 6], seeds[5])
+        on = means + spread[..., None] * tf.random.stateless_normal([batch_size, n, 6], seeds[4], dtype=dtype)
+        on = on - tf.constant(_IDENTITY, dtype)
+        off = self.lambda_off * tf.random.stateless_normal([batch_size, n, 6], seeds[5], dtype=dtype)
         part_pose = tf.where(part_presence[..., None] > 0.5, on, off)
         mean = self.render(part_presence, part_pose)
-        images = mean + self.sigma * tf.random.stateless_normal(tf.shape(mean), seeds[6])
+        images = mean + self.sigma * tf.random.stateless_normal(tf.shape(mean), seeds[6], dtype=dtype)
         return {"images": images, "means": mean, "top_presence": top_presence, "top_pose": top_pose,
                 "parents": parents, "part_presence": part_presence, "part_pose": part_pose}
 

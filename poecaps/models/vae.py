@@ -70,8 +70,8 @@ class VariationalAutoencoder(keras.Model):
         every model it trains.
         """
         mu, sigma = self.encode(images)
-        eps = (tf.random.normal(tf.shape(mu)) if seed is None
-               else tf.random.stateless_normal(tf.shape(mu), seed))
+        eps = (tf.random.normal(tf.shape(mu), dtype=mu.dtype) if seed is None
+               else tf.random.stateless_normal(tf.shape(mu), seed, dtype=mu.dtype))
         mean = self.decoder(mu + sigma * eps)
         pixels = self.image_size[0] * self.image_size[1]
         squares = tf.reduce_sum(tf.reshape(tf.square(images - mean), [-1, pixels]), -1)

@@ -3,18 +3,19 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.validation import check_integer
 
 
-def _mlp(hidden, name, seed):
-    """ReLU layers of sizes `hidden`, then one linear output unit; float32 whatever the global dtype policy,
-    as the routing around them is (a mixed policy would make them compute in float16)."""
+def _mlp(hidden, name, seed, dtype):
+    """ReLU layers of sizes `hidden`, then one linear output unit, in the router's `dtype`: float32 under a
+    mixed global policy, as the routing around them is (the policy would make them compute in float16)."""
     init = lambda k: keras.initializers.GlorotUniform(seed=None if seed is None else seed + k)
     layers = [keras.layers.Dense(units, activation="relu", kernel_initializer=init(k), name=f"{name}_{k}",
-                                 dtype="float32")
+                                 dtype=dtype)
               for k, units in enumerate(hidden)]
-    layers.append(keras.layers.Dense(1, kernel_initializer=init(len(hidden)), name=f"{name}_out", dtype="float32"))
+    layers.append(keras.layers.Dense(1, kernel_initializer=init(len(hidden)), name=f"{name}_out", dtype=dtype))
     return layers
 
 
@@ -92,8 +93,8 @@ class ConnectionistRouting(Routing):
         self.activation_hidden = _check_hidden("activation_hidden", activation_hidden)
         self.seed = seed
         offset = lambda k: None if seed is None else seed + k
-        self.compatibility_layers = _mlp(self.compatibility_hidden, "compatibility", offset(10))
-        self.activation_layers = _mlp(self.activation_hidden, "activation", offset(20))
+        self.compatibility_layers = _mlp(self.compatibility_hidden, "compatibility", offset(10), self.dtype_policy)
+        self.activation_layers = _mlp(self.activation_hidden, "activation", offset(20), self.dtype_policy)
 
     def build(self, votes_shape, activations_shape=None):
         dim = votes_shape[3]
@@ -120,23 +121,24 @@ class ConnectionistRouting(Routing):
         return ops.reshape(x, lead)
 
     def call(self, votes, activations=None, training=None):
-        votes = ops.cast(votes, "float32")
+        dtype = distribute.routing_compute_dtype(votes)
+        votes = ops.cast(votes, dtype)
         num_in, dim, units = votes.shape[1], votes.shape[3], self.units
-        a = ops.ones(ops.shape(votes)[:2], "float32") if activations is None else ops.cast(activations, "float32")
+        a = ops.ones(ops.shape(votes)[:2], dtype) if activations is None else ops.cast(activations, dtype)
         # Each gate's own columns of the weights: the gates are computed as four [B, I, J, U] tensors, not
         # one [B, I, J, 4U] split along its last axis (whose slices and their gradient's concatenation
         # made the backward pass nearly twice as slow under XLA, bench/learned_step.py).
         columns = lambda w: [w[..., k * units:(k + 1) * units] for k in range(4)]
-        kernel = ops.cast(self.kernel, "float32")
+        kernel = ops.cast(self.kernel, dtype)
         k_mu, k_vote = columns(kernel[:dim]), columns(kernel[dim:2 * dim])
         k_c, k_a = columns(kernel[2 * dim]), columns(kernel[2 * dim + 1])
-        recurrent, bias = columns(ops.cast(self.recurrent_kernel, "float32")), columns(ops.cast(self.bias, "float32"))
+        recurrent, bias = columns(ops.cast(self.recurrent_kernel, dtype)), columns(ops.cast(self.bias, dtype))
         # The parts of x W that do not change over the rounds: the vote's and the child activation's.
         # [B, I, J, D] x [D, U] -> [B, I, J, U], per gate
         fixed = [_rows_times(votes, k_vote[k]) + a[:, :, None, None] * k_a[k] + bias[k] for k in range(4)]
         # [B, I, J] x [B, I, J, D] -> [B, J, D]
         weighted_mean = lambda c: ops.einsum("bij,bijd->bjd", c, votes)
-        c = ops.ones(ops.shape(votes)[:3], "float32") / num_in
+        c = ops.ones(ops.shape(votes)[:3], dtype) / num_in
         mu = weighted_mean(c)
         h = m = None                    # zero states: the first round skips their terms
         for _ in range(self.iterations):
@@ -150,7 +152,7 @@ class ConnectionistRouting(Routing):
             c = ops.softmax(self._apply(self.compatibility_layers, h), axis=1)
             mu = weighted_mean(c)
         if m is None:
-            m = ops.zeros((*ops.shape(votes)[:3], units), "float32")
+            m = ops.zeros((*ops.shape(votes)[:3], units), dtype)
         # [B, I, J] x [B, I, J, U] -> [B, J, U]
         pooled = ops.einsum("bij,biju->bju", c, m)
         return RoutingResult(mu, ops.sigmoid(self._apply(self.activation_layers, pooled)), c)

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
 from poecaps.capsules import norm, ratio, squash
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.validation import check_choice
@@ -99,17 +100,12 @@ class DynamicRouting(Routing):
         return c, weighted_sum(c)
 
     @staticmethod
-    def _compute_dtype(tensor):
-        # Routing runs in float32 under mixed precision (float64 stays float64).
-        return "float64" if keras.backend.standardize_dtype(tensor.dtype) == "float64" else "float32"
-
-    @staticmethod
     def _result(c, z):
         poses = squash(z)
         return RoutingResult(poses, norm(poses), c)
 
     def call(self, votes, activations=None, training=None):
-        dtype = self._compute_dtype(votes)
+        dtype = distribute.routing_compute_dtype(votes)
         votes = ops.cast(votes, dtype)
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[:, :, None]
         c, z = self._loop(
@@ -136,7 +132,7 @@ class DynamicRouting(Routing):
         """
         from poecaps import energy
 
-        dtype = self._compute_dtype(x)
+        dtype = distribute.routing_compute_dtype(x)
         x, kernel = ops.cast(x, dtype), ops.cast(kernel, dtype)
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[None]
         wr, wt = energy.kernel_views(kernel)

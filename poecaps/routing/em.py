@@ -5,6 +5,7 @@ import math
 import keras
 from keras import ops
 
+from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.routing.em_moments import activation_logits, em_by_moments
@@ -97,12 +98,13 @@ class EMRouting(Routing):
         return self.final_lambda * (1.0 - 0.95 ** (t + 1))
 
     def call(self, votes, activations=None, training=None):
-        votes = ops.cast(votes, "float32")
+        dtype = distribute.routing_compute_dtype(votes)
+        votes = ops.cast(votes, dtype)
         num_out, dim = votes.shape[2], votes.shape[3]
         a_in = (ops.ones_like(votes[:, :, 0, 0]) if activations is None
-                else ops.cast(activations, "float32"))
-        beta_u = ops.cast(self.beta_u, "float32")
-        beta_a = ops.cast(self.beta_a, "float32")
+                else ops.cast(activations, dtype))
+        beta_u = ops.cast(self.beta_u, dtype)
+        beta_a = ops.cast(self.beta_a, dtype)
         temperatures = [self.inverse_temperature(t) for t in range(self.iterations)]
         standardize = self.cost_normalization == "standardize"
         if self.implementation == "moments":

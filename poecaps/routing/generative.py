@@ -12,7 +12,7 @@ import math
 import keras
 import tensorflow as tf
 
-from poecaps import vmf
+from poecaps import distribute, vmf
 from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.validation import check_number
@@ -137,7 +137,7 @@ class GenerativeRouting(Routing):
         return tf.reduce_sum(a * per_child, -1) + prior
 
     def call(self, votes, activations=None, training=None):
-        dtype = "float64" if keras.backend.standardize_dtype(votes.dtype) == "float64" else "float32"
+        dtype = distribute.routing_compute_dtype(votes)
         votes = tf.cast(votes, dtype)
         a = tf.ones(tf.shape(votes)[:2], dtype) if activations is None else tf.cast(activations, dtype)
         params = self.parameters(votes.shape[-1], dtype)

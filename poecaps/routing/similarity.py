@@ -6,6 +6,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
 from poecaps.validation import check_integer, check_number
@@ -169,7 +170,7 @@ class SimilarityRouting(Routing):
         return ops.sum(mixture * ops.exp(-scaled), axis=-1)
 
     def call(self, votes, activations=None, training=None):
-        dtype = "float64" if keras.backend.standardize_dtype(votes.dtype) == "float64" else "float32"
+        dtype = distribute.routing_compute_dtype(votes)
         votes = ops.cast(votes, dtype)
         num_in = votes.shape[1]
         if activations is None:

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from poecaps import distribute
 from poecaps.capsules import norm, squash
 from poecaps.inference import descend
 from poecaps.routing.base import Routing, RoutingResult
@@ -64,10 +65,10 @@ class SparseInferenceRouting(Routing):
 
     def prediction(self, votes, activations=None):
         """`(p [B, J, D], c0 [B, I, J])`: the feed-forward parents with uniform coefficients."""
-        votes = ops.cast(votes, "float32")
+        votes = ops.cast(votes, distribute.routing_compute_dtype(votes))
         num_in, num_out = votes.shape[1], votes.shape[2]
         c0 = 1.0 / (num_out if self.normalize == "parents" else num_in)
-        weighted = votes if activations is None else votes * ops.cast(activations, "float32")[:, :, None, None]
+        weighted = votes if activations is None else votes * ops.cast(activations, votes.dtype)[:, :, None, None]
         return squash(c0 * ops.sum(weighted, axis=1)), ops.full(ops.shape(votes)[:3], c0)
 
     def infer(self, votes, activations=None, targets=None, label_weight=1.0):
