@@ -415,3 +415,24 @@ def test_trainers_refuse_a_compiled_loss_or_metrics_that_they_would_ignore(name,
     labelled = {} if y is None else {"y": y}
     history = trainer.fit(x, batch_size=4, epochs=1, verbose=0, **labelled).history
     assert set(history) == {metric.name for metric in trainer.metrics}
+
+
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
+def test_trainers_refuse_a_y_they_would_ignore_and_need_the_y_they_learn_from(name, make, x, y):
+    """A trainer that learns from x alone refuses a y (the clean images of a denoising pair were ignored, and
+    the autoencoder went on reconstructing its input); one that learns from (x, y) pairs refuses x alone (it
+    failed deep in its loss, on None). Both by the trainer's name, in `fit` and `evaluate`, before any weight
+    moves."""
+    trainer = make()
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
+    if y is None:
+        message, given = f"{type(trainer).__name__} learns from x alone and would ignore a y; pass x only.", (x, x)
+    else:
+        message, given = (f"{type(trainer).__name__} learns from (x, y) pairs, y the {trainer.targets}; "
+                          "pass both."), (x,)
+    for run in (trainer.fit, trainer.evaluate):
+        before = [w.copy() for w in trainer.get_weights()]
+        with pytest.raises(InputError, match="^" + re.escape(message) + "$"):
+            run(*given, batch_size=4, verbose=0)
+        for a, b in zip(trainer.get_weights(), before):
+            np.testing.assert_array_equal(a, b)

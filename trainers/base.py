@@ -16,7 +16,13 @@ class Trainer(keras.Model):
     execution settings alone: a `loss`, `loss_weights`, `metrics` or
     `weighted_metrics` given to it would be ignored by `train_step` and
     missing from the history, and raises an `InputError` naming them.
+
+    `targets` names what a batch's y holds for a trainer that learns from
+    `(x, y)` pairs, and is None for one that learns from x alone
+    (`poecaps.trainers.batch.unpack` holds each to it).
     """
+
+    targets = None
 
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None, weighted_metrics=None,
                 **kwargs):

@@ -8,13 +8,20 @@ from poecaps.errors import InputError
 def unpack(data, trainer):
     """`(x, y)` of a batch (`y` None if it has none), as `keras.utils.unpack_x_y_sample_weight` reads it.
 
-    The trainers' losses and CD statistics are batch means that weigh every example alike, so a batch that
-    carries sample weights (`fit(..., sample_weight=...)` or `class_weight=...`, or a dataset of `(x, y, w)`)
-    raises an `InputError` naming the trainer, where it would otherwise be ignored. Raised when Keras traces
-    the step, before any weight moves.
+    What the trainer would ignore or miss raises an `InputError` naming it, when Keras traces the step,
+    before any weight moves:
+    - sample weights (`fit(..., sample_weight=...)` or `class_weight=...`, or a dataset of `(x, y, w)`): the
+      trainers' losses and CD statistics are batch means that weigh every example alike;
+    - a `y` for a trainer that learns from `x` alone (`trainer.targets` None), e.g. the clean images of a
+      denoising pair, which would be ignored;
+    - no `y` for one that learns from `(x, y)` pairs (`trainer.targets` names what y holds).
     """
     x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
+    name = type(trainer).__name__
     if weights is not None:
-        raise InputError(f"{type(trainer).__name__} weighs every example alike; it takes no sample_weight or "
-                         "class_weight.")
+        raise InputError(f"{name} weighs every example alike; it takes no sample_weight or class_weight.")
+    if y is not None and trainer.targets is None:
+        raise InputError(f"{name} learns from x alone and would ignore a y; pass x only.")
+    if y is None and trainer.targets is not None:
+        raise InputError(f"{name} learns from (x, y) pairs, y the {trainer.targets}; pass both.")
     return x, y

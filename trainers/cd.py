@@ -225,6 +225,8 @@ class DecoderTrainer(CDTrainer):
     chains and sparsity do not apply).
     """
 
+    targets = "lower capsules"
+
     def __init__(self, model, rule="section41", preprocess=None, l2=1e-4, heldout=None, seed=None, shards=1,
                  **kwargs):
         check_choice(rule, "rule", DECODER_RULES)

@@ -37,6 +37,8 @@ class SupervisedTrainer(Trainer):
         images: `[B, H, W, C]`; returns the network's outputs.
     """
 
+    targets = "class labels"
+
     def __init__(self, network, max_shift=0, seed=0, shards=1, **kwargs):
         super().__init__(**kwargs)
         shards = check_integer(shards, "shards")
