@@ -290,3 +290,32 @@ def test_matrix_capsules_and_the_probabilistic_capsule_model_train_in_float64():
         refined = capsules.model.refine(x[:2], 2)
     assert {str(ops.convert_to_numpy(t).dtype) for t in drawn.values() if t.dtype.is_floating} == {"float64"}
     assert {str(ops.convert_to_numpy(t).dtype) for t in refined.values()} == {"float64"}
+
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_capsule_maps_route_in_float64_under_a_float64_policy(rng, chunk_size):
+    """Convolutional capsules routed in chunks inside a compiled function (as MatrixCapsNet routes them; 9
+    receptive fields, the last chunk padded) and class capsules with coordinate addition, made under float64,
+    return float64, and poses moved by 1e-9 of their size move the class poses: the chunks no longer round
+    the routing to float32 (they did, so matrix capsules trained in float64 routed in float32)."""
+    import tensorflow as tf
+
+    from poecaps.layers import ClassCapsules, ConvCapsules
+    from poecaps.routing import EMRouting
+
+    poses = rng.normal(size=(2, 7, 7, 2, 16))
+    activations = rng.uniform(0.1, 1.0, size=(2, 7, 7, 2))
+    moved = poses * (1.0 + 1e-9 * rng.choice([-1.0, 1.0], size=poses.shape))
+    with _float64():
+        conv = ConvCapsules(3, 16, 3, 2, routing=EMRouting(2), chunk_size=chunk_size)
+        classes = ClassCapsules(4, 16, routing=EMRouting(2))
+
+        @tf.function
+        def route(x):
+            found = conv.route(x, activations)
+            return (found.poses, *classes.route(found.poses, found.activations))
+
+        outputs, outputs_moved = route(tf.constant(poses)), route(tf.constant(moved))
+    for got, got_moved in zip(outputs, outputs_moved):
+        assert got.dtype == tf.float64 and got_moved.dtype == tf.float64
+    assert not np.array_equal(outputs[1].numpy(), outputs_moved[1].numpy())

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from poecaps import distribute
 from poecaps import routing as routing_lib
 from poecaps.chunks import map_in_chunks
 from poecaps.errors import InputError
@@ -154,9 +155,10 @@ class ConvCapsules(_CapsuleMapLayer):
         if self.chunk_size is None or tf.executing_eagerly():
             result = route_folded(*inputs)
         else:
-            # Chunks return float32 (what EM routing returns under any policy).
-            as_float32 = lambda *chunk: tuple(ops.cast(t, "float32") for t in route_folded(*chunk))
-            result = map_in_chunks(as_float32, inputs, self.chunk_size, ["float32"] * 3)
+            # Chunks return the routing's dtype: float32, or float64 under a float64 policy.
+            dtype = distribute.routing_compute_dtype(folded)
+            as_routed = lambda *chunk: tuple(ops.cast(t, dtype) for t in route_folded(*chunk))
+            result = map_in_chunks(as_routed, inputs, self.chunk_size, [dtype] * 3)
         unfold = lambda t: ops.reshape(t, (-1, out_h, out_w, *t.shape[1:]))
         return RoutingResult(*(unfold(t) for t in result))
 
@@ -208,15 +210,15 @@ class ClassCapsules(_CapsuleMapLayer):
         h, w, types, dim = input_shape[1:]
         self._build_kernel(types, dim, h * w * types)
 
-    def _coordinates(self, h, w, types):
-        """`[H*W*T, D]`: the scaled coordinates placed where coordinate addition adds them."""
+    def _coordinates(self, h, w, types, dtype):
+        """`[H*W*T, D]` in `dtype`: the scaled coordinates placed where coordinate addition adds them."""
         side = pose_size(self.capsule_dim, self.pose)
-        rows = (ops.arange(h, dtype="float32") + 0.5) / h
-        cols = (ops.arange(w, dtype="float32") + 0.5) / w
+        rows = (ops.arange(h, dtype=dtype) + 0.5) / h
+        cols = (ops.arange(w, dtype=dtype) + 0.5) / w
         grid_r = ops.repeat(ops.repeat(rows[:, None], w, axis=1)[..., None], types, axis=2)
         grid_c = ops.repeat(ops.repeat(cols[None, :], h, axis=0)[..., None], types, axis=2)
         first, second = (side - 1, 2 * side - 1) if self.pose == "matrix" else (0, 1)
-        onehot = lambda k: ops.one_hot(k, self.capsule_dim, dtype="float32")
+        onehot = lambda k: ops.one_hot(k, self.capsule_dim, dtype=dtype)
         coords = (ops.reshape(grid_r, (-1, 1)) * onehot(first)[None]
                   + ops.reshape(grid_c, (-1, 1)) * onehot(second)[None])
         return coords
@@ -230,7 +232,8 @@ class ClassCapsules(_CapsuleMapLayer):
         votes = capsule_votes(ops.reshape(flat, (-1, types, dim)), self.voting_kernel(), self.pose)
         votes = ops.reshape(votes, (-1, h * w * types, self.num_capsules, self.capsule_dim))
         if self.coordinate_addition:
-            votes = votes + ops.cast(self._coordinates(h, w, types), votes.dtype)[None, :, None]
+            coordinates = self._coordinates(h, w, types, distribute.routing_compute_dtype(votes))
+            votes = votes + ops.cast(coordinates, votes.dtype)[None, :, None]
         flat_act = None if activations is None else ops.reshape(activations, (-1, h * w * types))
         return self.routing(votes, flat_act, training=training)
 
