@@ -266,28 +266,38 @@ def test_every_trainer_trains_in_float64_under_a_float64_policy(name, make, x, y
     assert history and all(np.isfinite(values).all() for values in history.values())
 
 
-def test_matrix_capsules_and_the_probabilistic_capsule_model_train_in_float64():
-    """The two networks whose float32 constants met float64 tensors: matrix capsules (the spread loss's margin)
-    and the probabilistic capsule model (the pose offsets, the dummy parent's binding and spread, and every
-    draw of `generate`). Under Keras' float64 set-up each trains with float64 weights and finite metrics; the
-    model's samples and its test-time refinement are float64 too."""
-    from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsules
+def test_capsule_networks_and_the_probabilistic_capsule_model_train_in_float64():
+    """The networks whose float32 constants or casts met float64 tensors: matrix capsules (the spread loss's
+    margin), the Table 1 routing network (its scores were cast to float32) and the probabilistic capsule model
+    (the pose offsets, the dummy parent's binding and spread, and every draw of `generate`). Under Keras'
+    float64 set-up each trains with float64 weights and finite metrics; the networks' scores, the model's
+    samples and its test-time refinement are float64 too."""
+    from poecaps.models import (
+        ProbabilisticCapsuleAutoencoder,
+        ProbabilisticCapsules,
+        RoutingCapsNet,
+    )
     from poecaps.trainers.variational import VariationalTrainer
 
     data = np.random.default_rng(0)
     with _float64():
         matrix = SupervisedTrainer(MatrixCapsNet((28, 28, 1), 3, routing_iterations=2, a=4, b=2, c=2, d=2))
+        table = SupervisedTrainer(RoutingCapsNet((28, 28, 1), 3, routing="dynamic", routing_iterations=2, filters=8,
+                                                 primary_types=2, conv_types=2))
         capsules = VariationalTrainer(ProbabilisticCapsuleAutoencoder(
             ProbabilisticCapsules(image_size=(12, 12), num_top=3, num_parts=4, template_size=5, seed=1),
             channels=8, hidden=16, encoding=8, blocks=2, inducing=4, heads=2, seed=2), seed=0)
-        for trainer, x, y in [(matrix, data.uniform(size=(8, 28, 28, 1)), np.arange(8) % 3),
+        digits, labels = data.uniform(size=(8, 28, 28, 1)), np.arange(8) % 3
+        for trainer, x, y in [(matrix, digits, labels), (table, digits, labels),
                               (capsules, data.uniform(size=(8, 12, 12, 1)), None)]:
             trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
             history = trainer.fit(x, y, batch_size=4, epochs=1, verbose=0).history
             assert {w.dtype for w in trainer.weights if "float" in w.dtype} == {"float64"}
             assert all(np.isfinite(values).all() for values in history.values())
+        scores = [trainer.network.loss_terms(digits, labels)[1] for trainer in (matrix, table)]
         drawn = capsules.model.generative.generate(3, seed=0)
         refined = capsules.model.refine(x[:2], 2)
+    assert {str(ops.convert_to_numpy(t).dtype) for t in scores} == {"float64"}
     assert {str(ops.convert_to_numpy(t).dtype) for t in drawn.values() if t.dtype.is_floating} == {"float64"}
     assert {str(ops.convert_to_numpy(t).dtype) for t in refined.values()} == {"float64"}
 
