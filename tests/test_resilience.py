@@ -82,21 +82,27 @@ def test_epoch_batches_cover_each_epoch_once_in_a_seeded_order():
                                         (_rbm_trainer, "binary")])
 def test_resuming_mid_epoch_reaches_the_uninterrupted_weights(tmp_path, make, data, request):
     """Stop after 1 epoch plus 4 steps (by dropping later checkpoints), resume, compare."""
-    x = request.getfixturevalue(data)
+    _check_resumed_mid_epoch(make, request.getfixturevalue(data), 3, tmp_path)
+
+
+def _check_resumed_mid_epoch(make, x, epochs, tmp_path):
+    """Train `epochs` epochs with `save_every=2`, and `epochs - 1` whose newest checkpoint (the epoch's end) is
+    then dropped, so that a resumed run (of other initial weights and seeds) goes on from within the epoch:
+    its weights must equal the uninterrupted run's. Returns the checkpoints the stopped run wrote."""
     whole = make()
-    fit_resumable(whole, x, epochs=3, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "a"),
+    fit_resumable(whole, x, epochs=epochs, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "a"),
                   save_every=2, verbose=0)
     part = make()
-    fit_resumable(part, x, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
+    fit_resumable(part, x, epochs=epochs - 1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
                   save_every=2, verbose=0)
-    manager = CheckpointManager(str(tmp_path / "b"), keep=3)
-    newest = manager.paths()[0]
-    os.remove(newest)   # the end of epoch 2: the newest left is step 4 of epoch 2 (global 10)
+    written = CheckpointManager(str(tmp_path / "b"), keep=3).paths()
+    os.remove(written[0])
     resumed = make(seed=5)   # other initial weights and seeds: all must come from the checkpoint
-    fit_resumable(resumed, x, epochs=3, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
+    fit_resumable(resumed, x, epochs=epochs, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
                   save_every=2, resume=True, verbose=0)
     for a, b in zip(_weights(whole), _weights(resumed)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    return [os.path.basename(path) for path in written]
 
 
 def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsules):
@@ -109,20 +115,7 @@ def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsul
         trainer.compile(optimizer=default_optimizer(0.05, 6, 0.9, 0.9), steps_per_execution=3)
         return trainer
 
-    whole = make()
-    fit_resumable(whole, capsules, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "a"),
-                  save_every=2, verbose=0)
-    part = make()
-    fit_resumable(part, capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
-                  save_every=2, verbose=0)
-    paths = CheckpointManager(str(tmp_path / "b")).paths()
-    assert [os.path.basename(p) for p in paths] == ["ckpt-000000006.npz", "ckpt-000000003.npz"]
-    os.remove(paths[0])
-    resumed = make(seed=5)
-    fit_resumable(resumed, capsules, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "b"),
-                  save_every=2, resume=True, verbose=0)
-    for a, b in zip(_weights(whole), _weights(resumed)):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert _check_resumed_mid_epoch(make, capsules, 2, tmp_path) == ["ckpt-000000006.npz", "ckpt-000000003.npz"]
 
 
 def test_checkpoint_holds_optimizer_seed_and_learning_rate_scale(tmp_path, binary):
