@@ -12,9 +12,10 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
+from small_trainers import TRAINER_NAMES, each_trainer
 
 from poecaps.capsules import squash
-from poecaps.errors import CheckpointError, NonFiniteError
+from poecaps.errors import CheckpointError, InputError, NonFiniteError
 from poecaps.experts import CapsuleExperts
 from poecaps.rbm import BernoulliRBM
 from poecaps.routing import DynamicRouting
@@ -116,6 +117,33 @@ def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsul
         return trainer
 
     assert _check_resumed_mid_epoch(make, capsules, 2, tmp_path) == ["ckpt-000000006.npz", "ckpt-000000003.npz"]
+
+
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
+def test_fit_resumable_takes_tensors_and_lists_as_arrays_and_refuses_a_dataset(name, make, x, y):
+    """A tensor or a list of examples trains to the very weights the NumPy arrays do (before, indexing a tensor
+    with the epoch's order raised a TypeError, and a list failed inside the model); a `tf.data.Dataset`, whose
+    order `fit_resumable` cannot set, is refused by type (before: a misleading shape or dtype message, or a
+    TypeError)."""
+    import tensorflow as tf
+
+    def trained(x, y):
+        keras.utils.set_random_seed(0)
+        trainer = make()
+        trainer.compile(optimizer=keras.optimizers.SGD(1e-2))
+        fit_resumable(trainer, x, y, epochs=2, batch_size=3, seed=0, verbose=0)
+        return trainer.get_weights()
+
+    expected = trained(x, y)
+    for convert in (tf.constant, list):
+        for got, want in zip(trained(convert(x), None if y is None else convert(y)), expected):
+            np.testing.assert_array_equal(got, want)
+    trainer = make()
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-2))
+    with pytest.raises(InputError, match="^fit_resumable orders, batches and checkpoints the examples itself, so x "
+                                         "must be an array .* Received: _BatchDataset; train on a dataset with the "
+                                         "trainer's own fit.$"):
+        fit_resumable(trainer, tf.data.Dataset.from_tensor_slices(x).batch(4), y, epochs=1, batch_size=4, seed=0)
 
 
 def test_checkpoint_holds_optimizer_seed_and_learning_rate_scale(tmp_path, binary):

@@ -117,6 +117,28 @@ class StepCheckpoint(keras.callbacks.Callback):
         self.manager.save(self.model, epoch + 1, 0, (epoch + 1) * self.steps_per_epoch)
 
 
+def as_examples(values, name):
+    """`values` (a NumPy array, a tensor, or a list of equal-shaped examples) as a NumPy array, or None.
+
+    `fit_resumable` orders, batches and checkpoints the examples itself, so a
+    `tf.data.Dataset`, a `PyDataset` or a generator, whose order it cannot
+    set, is an `InputError` naming the type.
+    """
+    if values is None or isinstance(values, np.ndarray):
+        return values
+    if isinstance(values, (list, tuple)):
+        try:
+            return np.asarray(values)
+        except ValueError as error:
+            raise InputError(f"{name} must hold equal-shaped examples. Received: a {type(values).__name__} "
+                             f"({error})") from None
+    if hasattr(values, "shape") and hasattr(values, "dtype"):
+        return np.asarray(keras.ops.convert_to_numpy(values))
+    raise InputError(f"fit_resumable orders, batches and checkpoints the examples itself, so {name} must be an "
+                     f"array (NumPy, a tensor or a list). Received: {type(values).__name__}; train on a dataset "
+                     "with the trainer's own fit.")
+
+
 def _merge(history, more):
     for key, values in more.history.items():
         history.setdefault(key, []).extend(values)
@@ -129,7 +151,7 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
 
     Args:
         trainer: a compiled trainer (any poecaps trainer).
-        x, y: training arrays (y may be None).
+        x, y: training arrays (y may be None): NumPy arrays, tensors or lists of examples (`as_examples`).
         epochs: total epochs of the run (a resumed run counts the ones already done).
         batch_size: global batch size (split over replicas under a strategy).
         seed: seed of the batch orders.
@@ -154,6 +176,7 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         verbose = 1 if live or "PYCHARM_HOSTED" in os.environ else 2
     epochs, batch_size = check_integers(epochs=epochs, batch_size=batch_size)
     save_every = check_integer(save_every, "save_every", minimum=0)
+    x, y = as_examples(x, "x"), as_examples(y, "y")
     arrays = (x,) if y is None else (x, y)
     if y is not None and len(y) != len(x):
         raise InputError(f"x and y must have as many examples. Received: {len(x)} and {len(y)}")
