@@ -146,6 +146,31 @@ def test_fit_resumable_takes_tensors_and_lists_as_arrays_and_refuses_a_dataset(n
         fit_resumable(trainer, tf.data.Dataset.from_tensor_slices(x).batch(4), y, epochs=1, batch_size=4, seed=0)
 
 
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
+def test_fit_resumable_validates_on_a_dataset_and_checks_validation_arrays_before_training(name, make, x, y):
+    """Validation data as Keras takes it: a `tf.data.Dataset` is validated on (before, `fit_resumable` unpacked
+    the dataset's batches into `check_inputs`: a misleading message), and arrays that a trainer's steps would
+    refuse (sample weights; for a trainer of pairs, no y) are refused before any weight moves (before, at the
+    end of the first epoch, or by a TypeError)."""
+    import tensorflow as tf
+
+    trainer = make()
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-2))
+    pairs = x if y is None else (x, y)
+    history = fit_resumable(trainer, x, y, epochs=1, batch_size=4, seed=0, verbose=0,
+                            validation_data=tf.data.Dataset.from_tensor_slices(pairs).batch(4))
+    assert {f"val_{metric.name}" for metric in trainer.metrics} <= set(history)
+    before = [w.copy() for w in trainer.get_weights()]
+    refused = [((x, y, np.ones(len(x))), "takes no sample_weight or class_weight")]
+    if y is not None:
+        refused.append((x, r"learns from \(\w+, \w+\) pairs"))
+    for validation, message in refused:
+        with pytest.raises(InputError, match=message):
+            fit_resumable(trainer, x, y, epochs=1, batch_size=4, seed=0, verbose=0, validation_data=validation)
+    for a, b in zip(trainer.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_checkpoint_holds_optimizer_seed_and_learning_rate_scale(tmp_path, binary):
     trainer = _rbm_trainer()
     fit_resumable(trainer, binary, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path), verbose=0)

@@ -17,6 +17,12 @@ def unpack(data, trainer):
     - no `y` for one that learns from `(x, y)` pairs (`trainer.targets` names what y holds).
     """
     x, y, weights = keras.utils.unpack_x_y_sample_weight(data)
+    check_batch(trainer, y, weights)
+    return x, y
+
+
+def check_batch(trainer, y, weights=None):
+    """Raise the `InputError` of `unpack` for a batch's `y` and sample `weights` (None: none given)."""
     name = type(trainer).__name__
     if weights is not None:
         raise InputError(f"{name} weighs every example alike; it takes no sample_weight or class_weight.")
@@ -24,4 +30,3 @@ def unpack(data, trainer):
         raise InputError(f"{name} learns from x alone and would ignore a y; pass x only.")
     if y is None and trainer.targets is not None:
         raise InputError(f"{name} learns from (x, y) pairs, y the {trainer.targets}; pass both.")
-    return x, y

@@ -19,6 +19,8 @@ import numpy as np
 
 from poecaps.errors import InputError
 from poecaps.trainers import NAN_POLICIES
+from poecaps.trainers.base import Trainer
+from poecaps.trainers.batch import check_batch
 from poecaps.trainers.checkpoints import CheckpointManager
 from poecaps.trainers.guard import NonFiniteGuard
 from poecaps.validation import check_choice, check_integer, check_integers
@@ -139,6 +141,16 @@ def as_examples(values, name):
                      "with the trainer's own fit.")
 
 
+def _validation_arrays(validation_data):
+    """`(x, y, sample weights)` of `validation_data` given as arrays (absent ones None), or None for none or
+    a dataset (which Keras reads itself)."""
+    if isinstance(validation_data, (tuple, list)):
+        return (*validation_data, None, None)[:3]
+    if hasattr(validation_data, "shape"):
+        return validation_data, None, None
+    return None
+
+
 def _merge(history, more):
     for key, values in more.history.items():
         history.setdefault(key, []).extend(values)
@@ -162,7 +174,8 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         on_nan: "stop", "reduce-lr" or "off" (see `NonFiniteGuard`).
         fault_log: JSON-lines file for NaN events.
         callbacks: further Keras callbacks (run after the guard, before the checkpoint).
-        validation_data: passed to `fit`.
+        validation_data: passed to `fit`: `(x, y)`, `(x,)`, x alone or a dataset, as Keras takes it; arrays
+            are checked by the trainer's `check_inputs` before training.
         verbose: passed to `fit`; "auto" is a progress bar at a terminal or
             in a notebook and one line per epoch elsewhere (Keras draws its
             bar into a log file frame by frame, a line of text each step).
@@ -180,10 +193,15 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     arrays = (x,) if y is None else (x, y)
     if y is not None and len(y) != len(x):
         raise InputError(f"x and y must have as many examples. Received: {len(x)} and {len(y)}")
+    validation = _validation_arrays(validation_data)
     if hasattr(trainer, "check_inputs"):
         trainer.check_inputs(x, y)
-        if validation_data is not None:
-            trainer.check_inputs(*validation_data)
+        if validation is not None:
+            trainer.check_inputs(*validation[:2])
+    if isinstance(trainer, Trainer):      # what its steps would refuse once traced, before any weight moves
+        check_batch(trainer, y)
+        if validation is not None:
+            check_batch(trainer, *validation[1:])
     if len(x) == 0:
         raise InputError("The training data is empty. Received: x with 0 examples")
     with trainer.distribute_strategy.scope():
