@@ -436,3 +436,22 @@ def test_trainers_refuse_a_y_they_would_ignore_and_need_the_y_they_learn_from(na
             run(*given, batch_size=4, verbose=0)
         for a, b in zip(trainer.get_weights(), before):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("name", routing.names())
+def test_every_router_refuses_activations_that_do_not_fit_its_votes(name):
+    """Activations must be `[B, I]` for votes `[B, I, J, D]`: one too many children, a trailing axis, or another
+    batch size is refused by the router's name with both shapes (before: TensorFlow's error from deep in the
+    routing). Sizes unknown while tracing match any."""
+    import tensorflow as tf
+
+    votes = np.random.default_rng(0).normal(size=(2, 6, 3, 4)).astype("float32")
+    router = routing.get(name)
+    for shape in [(2, 7), (2, 6, 1), (3, 6)]:
+        expected = (f"{type(router).__name__}: activations must be [B, I] = [2, 6] for votes [B, I, J, D] of shape "
+                    f"[2, 6, 3, 4]. Received: activations of shape {list(shape)}")
+        with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):
+            router(votes, np.ones(shape, "float32"))
+    traced = tf.function(router, input_signature=[tf.TensorSpec([None, 6, 3, 4]), tf.TensorSpec([None, None])])
+    found = traced(votes, np.ones((2, 6), "float32"))
+    assert tuple(found.poses.shape) == (2, 3, 4)

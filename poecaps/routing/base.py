@@ -5,6 +5,7 @@ import collections
 import keras
 
 from poecaps import distribute
+from poecaps.errors import InputError
 from poecaps.validation import check_integer
 
 RoutingResult = collections.namedtuple("RoutingResult", ["poses", "activations", "coefficients"])
@@ -14,6 +15,19 @@ poses:        [batch, num_out, pose_dim]  (squashed upper capsules)
 activations:  [batch, num_out]            (probability each upper capsule is on)
 coefficients: [batch, num_in, num_out]    (routing coefficients c_ij)
 """
+
+
+def check_activations(router, votes_shape, activations_shape):
+    """Raise `InputError` unless activations of `activations_shape` fit votes of `votes_shape`: `[B, I]` for
+    `[B, I, J, D]` (sizes unknown while tracing, None, match any)."""
+    if votes_shape is None or activations_shape is None or len(votes_shape) != 4:
+        return      # not array-like, or votes of another rank, which Keras' input spec refuses
+    fits = len(activations_shape) == 2 and all(
+        a is None or v is None or a == v for a, v in zip(activations_shape, votes_shape[:2]))
+    if not fits:
+        raise InputError(f"{type(router).__name__}: activations must be [B, I] = {list(votes_shape[:2])} for votes "
+                         f"[B, I, J, D] of shape {list(votes_shape)}. Received: activations of shape "
+                         f"{list(activations_shape)}")
 
 
 class Routing(keras.layers.Layer):
@@ -47,6 +61,11 @@ class Routing(keras.layers.Layer):
         self.iterations = check_integer(iterations, "iterations", minimum=0)
         # votes of another rank are refused by Keras with the layer's name and both ranks
         self.input_spec = keras.InputSpec(ndim=4)
+
+    def __call__(self, votes, activations=None, *args, **kwargs):
+        if activations is not None:
+            check_activations(self, getattr(votes, "shape", None), getattr(activations, "shape", None))
+        return super().__call__(votes, activations, *args, **kwargs)
 
     def compute_output_spec(self, votes, activations=None, training=None):
         b, _, j, d = votes.shape
