@@ -106,6 +106,19 @@ def _check_resumed_mid_epoch(make, x, epochs, tmp_path):
     return [os.path.basename(path) for path in written]
 
 
+def test_resuming_mid_epoch_under_moving_average_weights_reaches_the_uninterrupted_weights(tmp_path, capsules):
+    """With `use_ema=True` Keras overwrites the weights with their moving averages at the end of every `fit`. A
+    run resumed mid-epoch fits twice (the interrupted epoch, then the rest), and its second fit went on from the
+    averages, so every weight ended off the uninterrupted run's. Now the first fit ends with the trained
+    weights, and the run reaches the uninterrupted weights."""
+    def make(seed=0):
+        trainer = _capsule_trainer(seed)
+        trainer.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, use_ema=True, ema_momentum=0.5))
+        return trainer
+
+    _check_resumed_mid_epoch(make, capsules, 3, tmp_path)
+
+
 def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsules):
     """Compiled with `steps_per_execution=3`, Keras calls back after steps 3 and 6 of an epoch of 6 (48
     examples in batches of 8): `save_every=2` writes after step 3 (steps 1-3 reached 2) and at the epoch's end,

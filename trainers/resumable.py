@@ -16,6 +16,7 @@ import sys
 
 import keras
 import numpy as np
+from keras import ops
 
 from poecaps.errors import InputError
 from poecaps.trainers import NAN_POLICIES
@@ -117,6 +118,22 @@ class StepCheckpoint(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.start_step = 0
         self.manager.save(self.model, epoch + 1, 0, (epoch + 1) * self.steps_per_epoch)
+
+
+class KeepTrainedWeights(keras.callbacks.Callback):
+    """Ends a `fit` with the trainable weights its last epoch trained, for a `fit` that training goes on after.
+
+    At the end of `fit` Keras calls `optimizer.finalize_variable_values`,
+    which under `use_ema=True` overwrites the weights with their moving
+    averages: right for the end of training, wrong before more of it.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.trained = [ops.copy(v.value) for v in self.model.trainable_weights]
+
+    def on_train_end(self, logs=None):
+        for variable, value in zip(self.model.trainable_weights, getattr(self, "trained", ())):
+            variable.assign(value)
 
 
 def as_examples(values, name):
@@ -227,13 +244,14 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     guard = [] if on_nan == "off" else [NonFiniteGuard(on_nan, fault_log)]
     checkpoint = [] if manager is None else [StepCheckpoint(manager, steps_per_epoch, save_every, start)]
     all_callbacks = guard + list(callbacks) + checkpoint
-    def run(data, last_epoch):
+    def run(data, last_epoch, more=()):
         _merge(history, trainer.fit(data, initial_epoch=data.epoch, epochs=last_epoch, shuffle=False,
                                     validation_data=validation_data, verbose=verbose,
-                                    callbacks=[EpochBatches.Sync(data), *all_callbacks]))
+                                    callbacks=[EpochBatches.Sync(data), *all_callbacks, *more]))
 
     if start:   # finish the interrupted epoch first: Keras epochs all have one length
-        run(EpochBatches(arrays, batch_size, seed, epoch, start), epoch + 1)
+        going_on = [KeepTrainedWeights()] if epoch + 1 < epochs else []
+        run(EpochBatches(arrays, batch_size, seed, epoch, start), epoch + 1, going_on)
         epoch += 1
     if epoch < epochs:
         run(EpochBatches(arrays, batch_size, seed, epoch, 0), epochs)
