@@ -110,13 +110,21 @@ def test_resuming_mid_epoch_under_moving_average_weights_reaches_the_uninterrupt
     """With `use_ema=True` Keras overwrites the weights with their moving averages at the end of every `fit`. A
     run resumed mid-epoch fits twice (the interrupted epoch, then the rest), and its second fit went on from the
     averages, so every weight ended off the uninterrupted run's. Now the first fit ends with the trained
-    weights, and the run reaches the uninterrupted weights."""
+    weights, and the run reaches the uninterrupted weights. A finished run resumed (nothing left to train) ends
+    with the averages too, as the run did; before, with the last epoch's trained weights from its checkpoint."""
     def make(seed=0):
         trainer = _capsule_trainer(seed)
         trainer.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9, use_ema=True, ema_momentum=0.5))
         return trainer
 
     _check_resumed_mid_epoch(make, capsules, 3, tmp_path)
+    finished = make(seed=5)       # the finished run, resumed: nothing to train, and the weights it ended with
+    fit_resumable(finished, capsules, epochs=3, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "a"),
+                  resume=True, verbose=0)
+    uninterrupted = make()
+    fit_resumable(uninterrupted, capsules, epochs=3, batch_size=8, seed=0, verbose=0)
+    for a, b in zip(_weights(uninterrupted), _weights(finished)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsules):

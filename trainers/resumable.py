@@ -240,6 +240,9 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     history = {}
     if epoch >= epochs:
         print(f"Already trained for {epoch} of {epochs} epochs.")
+        # The checkpoint holds the weights the last epoch trained; end as that run's fit ended (under
+        # use_ema=True, with the moving averages).
+        trainer.optimizer.finalize_variable_values(trainer.trainable_weights)
         return history
     guard = [] if on_nan == "off" else [NonFiniteGuard(on_nan, fault_log)]
     checkpoint = [] if manager is None else [StepCheckpoint(manager, steps_per_epoch, save_every, start)]
