@@ -127,6 +127,24 @@ def test_resuming_mid_epoch_under_moving_average_weights_reaches_the_uninterrupt
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_callback_that_stops_the_interrupted_epoch_stops_the_resumed_run(tmp_path, capsules):
+    """A run resumed mid-epoch finishes that epoch in a `fit` of its own. A callback that stops training there
+    (as EarlyStopping or TerminateOnNaN do, by `model.stop_training`) stops the run, as it would have stopped
+    the uninterrupted run at that epoch's end; before, the next `fit` trained on to the last epoch."""
+    class StopAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = True
+
+    fit_resumable(_capsule_trainer(), capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path),
+                  save_every=2, verbose=0)
+    os.remove(CheckpointManager(str(tmp_path)).paths()[0])       # the newest left: step 4 of epoch 1
+    resumed = _capsule_trainer()
+    history = fit_resumable(resumed, capsules, epochs=3, batch_size=8, seed=0, checkpoint_dir=str(tmp_path),
+                            save_every=2, resume=True, verbose=0, callbacks=[StopAtEpochEnd()])
+    assert len(history["p_on"]) == 1
+    assert int(ops.convert_to_numpy(resumed.optimizer.iterations)) == 6      # epoch 1's six steps, no more
+
+
 def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsules):
     """Compiled with `steps_per_execution=3`, Keras calls back after steps 3 and 6 of an epoch of 6 (48
     examples in batches of 8): `save_every=2` writes after step 3 (steps 1-3 reached 2) and at the epoch's end,

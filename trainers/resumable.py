@@ -256,6 +256,9 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         going_on = [KeepTrainedWeights()] if epoch + 1 < epochs else []
         run(EpochBatches(arrays, batch_size, seed, epoch, start), epoch + 1, going_on)
         epoch += 1
+        if trainer.stop_training:   # a callback stopped training (EarlyStopping, TerminateOnNaN): stay stopped
+            trainer.optimizer.finalize_variable_values(trainer.trainable_weights)
+            return history
     if epoch < epochs:
         run(EpochBatches(arrays, batch_size, seed, epoch, 0), epochs)
     return history
