@@ -92,6 +92,11 @@ def check_integers(minimum=1, **values):
     return tuple(check_integer(value, name, minimum) for name, value in values.items())
 
 
+def sizes_fit(a, b):
+    """Whether two sizes of an axis agree; an unknown size (None, while tracing) fits any."""
+    return a is None or b is None or a == b
+
+
 def check_array(array, name, shape=None, low=None, high=None, what="values"):
     """Check that `array` is a non-empty finite float array of `[N, *shape]` within [low, high].
 

@@ -5,7 +5,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.validation import check_flag, check_integer, check_number
+from poecaps.validation import check_flag, check_integer, check_number, sizes_fit
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -51,9 +51,8 @@ class TopDownAttention(keras.layers.Layer):
 
     def build(self, children_shape, predictions_shape=None):
         children_shape, predictions_shape = tuple(children_shape), tuple(predictions_shape or ())
-        same = lambda a, b: a is None or b is None or a == b          # an unknown size fits any
         if not (len(children_shape) == 3 and len(predictions_shape) == 4
-                and all(same(children_shape[k], predictions_shape[k]) for k in (0, 1, -1))):
+                and all(sizes_fit(children_shape[k], predictions_shape[k]) for k in (0, 1, -1))):
             raise InputError(f"{type(self).__name__} {self.name!r}: children must be [B, I, D] and predictions "
                              f"[B, I, J, D] with the same B, I and D. Received: children {children_shape}, "
                              f"predictions {predictions_shape}")
