@@ -49,8 +49,10 @@ def invert(pose):
 
 
 def pixel_centres(n, dtype):
-    """The `n` pixel centres along one axis in [-1, 1]: `2 (k + 1/2) / n - 1`."""
-    return (2.0 * (tf.range(n, dtype=dtype) + 0.5)) / n - 1.0
+    """The `n` pixel centres along one axis in [-1, 1]: `2 (k + 1/2) / n - 1`, in `dtype` (counted in float32
+    below it: TensorFlow has no float16 range on CPU)."""
+    exact = tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+    return tf.cast((2.0 * (tf.range(n, dtype=exact) + 0.5)) / n - 1.0, dtype)
 
 
 def warp(templates, poses, image_size):

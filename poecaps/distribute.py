@@ -10,12 +10,13 @@ global batch.
 Precision: "mixed_float16" and "mixed_bfloat16" set Keras' global policy;
 routing layers and energy models keep a float32 policy, so routing, free
 energies and CD statistics stay in float32 (reductions in low precision lose
-the small differences CD is made of), and the CD trainers apply those
+the small differences CD is made of); likelihoods and variational bounds are
+computed in float32 from the low-precision outputs of the networks that
+parametrise them (`full_precision_dtype`); and the CD trainers apply those
 statistics as they are, without mixed_float16's loss scaling (they are not
 the gradients of a loss). Every other trainer scales its loss
 (`replica_loss`). Under a float64 policy (`keras.config.set_floatx("float64")`)
-every layer, router, energy model and trainer computes in float64
-(`routing_compute_dtype`).
+every layer, router, energy model and trainer computes in float64.
 """
 
 import contextlib
@@ -68,9 +69,27 @@ def routing_dtype(dtype=None):
     return dtype
 
 
-def routing_compute_dtype(tensor):
-    """The dtype a router computes in for `tensor` (its votes): float64 stays float64; anything else (float32,
-    or the float16 or bfloat16 of a mixed policy) routes in float32."""
+class FullPrecision:
+    """Mixin of a `keras.layers.Layer` that computes in float32 under a mixed policy, methods and all.
+
+    Made with `routing_dtype`, and its weights are never autocast: other
+    layers call its methods directly (not through `__call__`, which would
+    enter its own float32 scope), and inside their low-precision calls Keras
+    would read every weight rounded to float16 or bfloat16. Put it before the
+    Keras base: `class Model(FullPrecision, keras.layers.Layer)`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs["dtype"] = routing_dtype(kwargs.get("dtype"))
+        super().__init__(*args, **kwargs)
+
+    def add_weight(self, *args, **kwargs):
+        return super().add_weight(*args, **{**kwargs, "autocast": False})
+
+
+def full_precision_dtype(tensor):
+    """The dtype to route, or to compute a likelihood or bound, in for `tensor` (votes, a network's output):
+    float64 stays float64; anything else (float32, or the float16 or bfloat16 of a mixed policy) is float32."""
     import keras
 
     return "float64" if keras.backend.standardize_dtype(tensor.dtype) == "float64" else "float32"

@@ -60,6 +60,8 @@ class GenerativeCapsuleTrainer(Trainer):
         return [self.bound_tracker, self.entropy_tracker]
 
     def call(self, children, training=None):
+        # Under a mixed policy Keras hands the call its low precision; EM infers in float32.
+        children = tf.cast(children, distribute.full_precision_dtype(children))
         a = child_activations(children, self.child_weights)
         return self.layer.infer(children, a, iterations=self.iterations)
 

@@ -156,7 +156,7 @@ class ConvCapsules(_CapsuleMapLayer):
             result = route_folded(*inputs)
         else:
             # Chunks return the routing's dtype: float32, or float64 under a float64 policy.
-            dtype = distribute.routing_compute_dtype(folded)
+            dtype = distribute.full_precision_dtype(folded)
             as_routed = lambda *chunk: tuple(ops.cast(t, dtype) for t in route_folded(*chunk))
             result = map_in_chunks(as_routed, inputs, self.chunk_size, [dtype] * 3)
         unfold = lambda t: ops.reshape(t, (-1, out_h, out_w, *t.shape[1:]))
@@ -232,7 +232,7 @@ class ClassCapsules(_CapsuleMapLayer):
         votes = capsule_votes(ops.reshape(flat, (-1, types, dim)), self.voting_kernel(), self.pose)
         votes = ops.reshape(votes, (-1, h * w * types, self.num_capsules, self.capsule_dim))
         if self.coordinate_addition:
-            coordinates = self._coordinates(h, w, types, distribute.routing_compute_dtype(votes))
+            coordinates = self._coordinates(h, w, types, distribute.full_precision_dtype(votes))
             votes = votes + ops.cast(coordinates, votes.dtype)[None, :, None]
         flat_act = None if activations is None else ops.reshape(activations, (-1, h * w * types))
         return self.routing(votes, flat_act, training=training)

@@ -312,6 +312,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
     def part_attention(self, images):
         """`[B, h, w, N]`: each part's attention over the cells of the last feature map (sums to 1 per part)."""
         cells, (height, width) = self._part_cells(images)
+        cells = ops.cast(cells, distribute.full_precision_dtype(cells))
         return ops.reshape(ops.softmax(cells[..., 7], axis=1), (-1, height, width, self.generative.num_parts))
 
     def encode_parts(self, images):
@@ -322,6 +323,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         """`encode_parts` and, with `localisation`, the entropies `H_j [B, N]` (nats) of the parts' attention
         over the cells (else None)."""
         cells, _ = self._part_cells(images)
+        cells = ops.cast(cells, distribute.full_precision_dtype(cells))    # float32 under a mixed policy
         weights = ops.softmax(cells[..., 7], axis=1)                                # over the positions
         pooled = ops.sum(weights[..., None] * cells[..., :7], axis=1)               # [B, N, 7]
         entropy = None
@@ -344,10 +346,11 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             h = block(h)
         code = self.to_encoding(self.pool(h)[:, 0])
         k = self.generative.num_top
-        top_pose = ops.reshape(self.top_pose_mlp(code), (-1, k, 6))
+        dtype = distribute.full_precision_dtype(part_pose)                  # float32 under a mixed policy
+        top_pose = ops.cast(ops.reshape(self.top_pose_mlp(code), (-1, k, 6)), dtype)
         if self.equivariant_top:
             top_pose = frames.from_frame(frame, top_pose + identity) - identity
-        return self.top_presence_mlp(code), top_pose
+        return ops.cast(self.top_presence_mlp(code), dtype), top_pose
 
     def call(self, images, training=False):
         part_logits, part_pose = self.encode_parts(images)

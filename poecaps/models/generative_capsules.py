@@ -8,7 +8,7 @@ import math
 import keras
 import tensorflow as tf
 
-from poecaps import vmf
+from poecaps import distribute, vmf
 from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
 from poecaps.validation import check_integer, check_number
@@ -17,7 +17,7 @@ _TINY = 1e-9
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
-class GenerativeCapsules(keras.layers.Layer):
+class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
     """Parents generate children: each child picks a parent, its direction is vMF, its length Gaussian.
 
     With parents `v_j ~ N(0, I)` (`[J, D_p]`) and learned top-down maps
@@ -101,8 +101,10 @@ class GenerativeCapsules(keras.layers.Layer):
         self.mix_logits = self.add_weight(name="mix_logits", shape=pairs, initializer="zeros")
 
     def _children(self, children):
-        """`children` as a tensor `[B, I, D_c]`; the layer is built for them on first use (`I` fixes `G_ij`)."""
+        """`children` as a tensor `[B, I, D_c]`, in float32 or float64 (`poecaps.distribute.full_precision_dtype`:
+        a mixed policy's low precision is cast up); the layer is built for them on first use (`I` fixes `G_ij`)."""
         children = tf.convert_to_tensor(children)
+        children = tf.cast(children, distribute.full_precision_dtype(children))
         self._check_children_shape(children.shape)
         if not self.built:
             self.build(children.shape)

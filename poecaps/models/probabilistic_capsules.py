@@ -59,7 +59,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from poecaps import compositing, concrete
+from poecaps import compositing, concrete, distribute
 from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
 from poecaps.validation import check_integers, check_number
@@ -76,7 +76,7 @@ def _gaussian_log_prob(x, mean, std):
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
-class ProbabilisticCapsules(keras.layers.Layer):
+class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
     __doc__ = __doc__
 
     def __init__(self, image_size=(28, 28), num_top=16, num_parts=16, template_size=12, part_scale=0.5,

@@ -199,7 +199,7 @@ class RoutingCapsNet(keras.Model):
     def loss_terms(self, images, labels, training=False, step=None):
         """`(loss, scores [B, K], {term: value})` of the chosen loss on a batch."""
         result = self.encode(images, training)
-        scores = ops.cast(result.activations, distribute.routing_compute_dtype(result.activations))
+        scores = ops.cast(result.activations, distribute.full_precision_dtype(result.activations))
         if self.loss == "spread":
             margin = losses.spread_margin(self.margin_steps if step is None else step, self.margin_steps)
             loss = ops.mean(losses.spread_loss(labels, scores, margin))

@@ -20,7 +20,9 @@ Call arguments:
     images: `[B, H, W, 1]` in [0, 1].
 
 Returns (call): dict of `mu [B, L]`, `sigma [B, L]` and `reconstructions`
-(the decoder's mean at `z = mu`).
+(the decoder's mean at `z = mu`). Under a mixed precision policy the layers
+compute in float16 or bfloat16, and these and the bound's terms are float32
+(`poecaps.distribute.full_precision_dtype`).
 """
 
 import math
@@ -28,6 +30,7 @@ import math
 import keras
 import tensorflow as tf
 
+from poecaps import distribute
 from poecaps.validation import check_image_batch, check_integers, check_number
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -57,11 +60,16 @@ class VariationalAutoencoder(keras.Model):
         """`(mu, sigma)`, each `[B, L]`."""
         check_image_batch(images, self.image_size, type(self).__name__)
         h = self.encoder(images)
+        h = tf.cast(h, distribute.full_precision_dtype(h))
         return h[:, :self.latent], tf.nn.softplus(h[:, self.latent:]) + 1e-4
+
+    def decode(self, z):
+        """The decoder's mean image `[B, H, W, 1]` at `z [B, L]`, in `z`'s dtype."""
+        return tf.cast(self.decoder(z), z.dtype)
 
     def call(self, images):
         mu, sigma = self.encode(images)
-        return {"mu": mu, "sigma": sigma, "reconstructions": self.decoder(mu)}
+        return {"mu": mu, "sigma": sigma, "reconstructions": self.decode(mu)}
 
     def bound(self, images, seed=None, training=False):
         """The bound's terms per image `[B]`: `bound`, `image` (log p(X | z)), `kl`; `seed` a stateless seed or None.
@@ -72,9 +80,9 @@ class VariationalAutoencoder(keras.Model):
         mu, sigma = self.encode(images)
         eps = (tf.random.normal(tf.shape(mu), dtype=mu.dtype) if seed is None
                else tf.random.stateless_normal(tf.shape(mu), seed, dtype=mu.dtype))
-        mean = self.decoder(mu + sigma * eps)
+        mean = self.decode(mu + sigma * eps)
         pixels = self.image_size[0] * self.image_size[1]
-        squares = tf.reduce_sum(tf.reshape(tf.square(images - mean), [-1, pixels]), -1)
+        squares = tf.reduce_sum(tf.reshape(tf.square(tf.cast(images, mean.dtype) - mean), [-1, pixels]), -1)
         image = -0.5 * squares / self.pixel_sigma ** 2 - pixels * (math.log(self.pixel_sigma) + 0.5 * _LOG_2PI)
         kl = 0.5 * tf.reduce_sum(tf.square(mu) + tf.square(sigma) - 1.0 - 2.0 * tf.math.log(sigma), -1)
         return {"bound": image - kl, "image": image, "kl": kl}

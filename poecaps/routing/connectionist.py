@@ -121,7 +121,7 @@ class ConnectionistRouting(Routing):
         return ops.reshape(x, lead)
 
     def call(self, votes, activations=None, training=None):
-        dtype = distribute.routing_compute_dtype(votes)
+        dtype = distribute.full_precision_dtype(votes)
         votes = ops.cast(votes, dtype)
         num_in, dim, units = votes.shape[1], votes.shape[3], self.units
         a = ops.ones(ops.shape(votes)[:2], dtype) if activations is None else ops.cast(activations, dtype)

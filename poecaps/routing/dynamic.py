@@ -105,7 +105,7 @@ class DynamicRouting(Routing):
         return RoutingResult(poses, norm(poses), c)
 
     def call(self, votes, activations=None, training=None):
-        dtype = distribute.routing_compute_dtype(votes)
+        dtype = distribute.full_precision_dtype(votes)
         votes = ops.cast(votes, dtype)
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[:, :, None]
         c, z = self._loop(
@@ -132,7 +132,7 @@ class DynamicRouting(Routing):
         """
         from poecaps import energy
 
-        dtype = distribute.routing_compute_dtype(x)
+        dtype = distribute.full_precision_dtype(x)
         x, kernel = ops.cast(x, dtype), ops.cast(kernel, dtype)
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[None]
         wr, wt = energy.kernel_views(kernel)

@@ -98,7 +98,7 @@ class EMRouting(Routing):
         return self.final_lambda * (1.0 - 0.95 ** (t + 1))
 
     def call(self, votes, activations=None, training=None):
-        dtype = distribute.routing_compute_dtype(votes)
+        dtype = distribute.full_precision_dtype(votes)
         votes = ops.cast(votes, dtype)
         num_out, dim = votes.shape[2], votes.shape[3]
         a_in = (ops.ones_like(votes[:, :, 0, 0]) if activations is None

@@ -137,7 +137,7 @@ class GenerativeRouting(Routing):
         return tf.reduce_sum(a * per_child, -1) + prior
 
     def call(self, votes, activations=None, training=None):
-        dtype = distribute.routing_compute_dtype(votes)
+        dtype = distribute.full_precision_dtype(votes)
         votes = tf.cast(votes, dtype)
         a = tf.ones(tf.shape(votes)[:2], dtype) if activations is None else tf.cast(activations, dtype)
         params = self.parameters(votes.shape[-1], dtype)

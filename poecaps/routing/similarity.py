@@ -170,7 +170,7 @@ class SimilarityRouting(Routing):
         return ops.sum(mixture * ops.exp(-scaled), axis=-1)
 
     def call(self, votes, activations=None, training=None):
-        dtype = distribute.routing_compute_dtype(votes)
+        dtype = distribute.full_precision_dtype(votes)
         votes = ops.cast(votes, dtype)
         num_in = votes.shape[1]
         if activations is None:

@@ -65,7 +65,7 @@ class SparseInferenceRouting(Routing):
 
     def prediction(self, votes, activations=None):
         """`(p [B, J, D], c0 [B, I, J])`: the feed-forward parents with uniform coefficients."""
-        votes = ops.cast(votes, distribute.routing_compute_dtype(votes))
+        votes = ops.cast(votes, distribute.full_precision_dtype(votes))
         num_in, num_out = votes.shape[1], votes.shape[2]
         c0 = 1.0 / (num_out if self.normalize == "parents" else num_in)
         weighted = votes if activations is None else votes * ops.cast(activations, votes.dtype)[:, :, None, None]
