@@ -378,6 +378,29 @@ def test_capsule_networks_and_the_probabilistic_capsule_model_train_in_float64()
     assert {str(ops.convert_to_numpy(t).dtype) for t in refined.values()} == {"float64"}
 
 
+def test_a_checkpoint_resumes_only_under_the_dtypes_it_was_written_in(tmp_path):
+    """A float64 run's checkpoints refuse a float32 trainer and the other way round, naming both dtypes (before,
+    `assign` cast the weights and the run went on in the other precision). A mixed_bfloat16 run keeps float32
+    weights and goes on under float32, as the layer-wise program lets the two take each other's place."""
+    from poecaps.errors import CheckpointError
+
+    def fit(policy, folder, resume, epochs):
+        with _float64() if policy == "float64" else distribute.precision_policy(policy):
+            _, make, x, y = each_trainer(keras.config.floatx())[0]
+            trainer = make()
+            trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
+            fit_resumable(trainer, x, y, epochs=epochs, batch_size=4, seed=0, checkpoint_dir=str(tmp_path / folder),
+                          resume=resume, verbose=0)
+        return trainer
+
+    for trained, resumed in [("float64", "float32"), ("float32", "float64")]:
+        fit(trained, trained, False, 1)
+        with pytest.raises(CheckpointError, match=rf"other dtypes \({trained} where this trainer's are {resumed}\)"):
+            fit(resumed, trained, True, 2)
+    fit("mixed_bfloat16", "mixed", False, 1)
+    assert int(fit("float32", "mixed", True, 2).optimizer.iterations.numpy()) == 4   # 2 steps an epoch
+
+
 @pytest.mark.parametrize("chunk_size", [None, 5])
 def test_capsule_maps_route_in_float64_under_a_float64_policy(rng, chunk_size):
     """Convolutional capsules routed in chunks inside a compiled function (as MatrixCapsNet routes them; 9

@@ -120,25 +120,34 @@ class CheckpointManager:
             raise CheckpointError(f"{path} is corrupted (its arrays do not match their digest)")
         return header, arrays
 
-    def _check_compatible(self, path, header, variables):
+    def _check_compatible(self, path, header, variables, arrays):
         changed = {k: (header["config"].get(k), v) for k, v in self.config.items()
                    if header["config"].get(k) != v}
         if changed:
             detail = ", ".join(f"{k}: checkpoint {a!r}, now {b!r}" for k, (a, b) in changed.items())
             raise CheckpointError(f"{path} was written by a different configuration ({detail}). "
                                   "Resume with the same settings or start a new run directory.")
-        shapes = [list(np.shape(_value(v))) for v in variables]
+        values = [_value(v) for v in variables]
+        shapes = [list(value.shape) for value in values]
         if len(shapes) != len(header["shapes"]) or shapes != header["shapes"]:
             raise CheckpointError(
                 f"{path} holds {len(header['shapes'])} variables that do not match this trainer's "
                 f"{len(shapes)} (a different model or configuration). Resume with the same "
                 "settings or start a new run directory.")
+        changed = sorted({(str(array.dtype), str(value.dtype)) for array, value in zip(arrays, values)
+                          if array.dtype != value.dtype})
+        if changed:   # `assign` would cast them: a float64 run would go on in float32, or the other way round
+            detail = ", ".join(f"{was} where this trainer's are {now}" for was, now in changed)
+            raise CheckpointError(
+                f"{path} holds variables of other dtypes ({detail}). Resume under the dtype policy it was trained "
+                "with (keras.config.set_floatx and set_dtype_policy) or start a new run directory.")
 
     def restore(self, trainer):
         """Load the newest good checkpoint into `trainer`; returns its header, or None if none exist.
 
         Damaged checkpoints are skipped with a message naming them; a
-        checkpoint from another configuration raises `CheckpointError`.
+        checkpoint from another configuration, or whose variables differ from
+        the trainer's in number, shape or dtype, raises `CheckpointError`.
         """
         variables = trainer_state(trainer)
         paths = self.paths()
@@ -153,7 +162,7 @@ class CheckpointManager:
                          + (f"using the previous checkpoint {following}" if following
                             else "no earlier checkpoint is left, starting from scratch"))
                 continue
-            self._check_compatible(path, header, variables)
+            self._check_compatible(path, header, variables, arrays)
             for variable, array in zip(variables, arrays):
                 variable.assign(array)
             self.log(f"Resumed from {path} (epoch {header['epoch'] + 1}, step {header['step']}, "
