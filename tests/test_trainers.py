@@ -1,4 +1,5 @@
 import os
+import re
 
 import keras
 import numpy as np
@@ -198,6 +199,21 @@ def test_persistent_chains_are_kept_between_steps(rng):
     assert not np.allclose(start, ops.convert_to_numpy(trainer.chain))
 
 
+@pytest.mark.parametrize("chain_shape", [(8, 5, 3), (8, 6), (8, 6, 3, 1)])
+def test_chains_of_another_shape_than_the_visible_units_are_refused_before_a_step(rng, chain_shape):
+    """Chains whose visible units differ from the batch's in a size or in rank failed deep in CD's sampling
+    (a reshape, an axis out of bounds, a transpose); now one InputError names both shapes, before any weight
+    moves."""
+    layer = _experts(6, 3, 2, 4)
+    before = [w.copy() for w in layer.get_weights()]
+    trainer = CDTrainer(layer, persistent=True, chain_shape=chain_shape, seed=3)
+    trainer.compile(optimizer=default_optimizer(0.05, 10))
+    with pytest.raises(InputError, match=rf"chains hold visible units of shape {re.escape(str(chain_shape[1:]))}"
+                                         r".*the batch's are \(6, 3\)"):
+        trainer.fit(_capsules(rng, 16, 6, 3), epochs=1, batch_size=8, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, layer.get_weights()))
+
+
 def test_rbm_trainer_learns(rng):
     v = (rng.uniform(size=(256, 16)) < np.linspace(0.05, 0.95, 16)).astype("float32")
     rbm = BernoulliRBM(6, seed=0)
@@ -278,7 +294,12 @@ def test_sharding_is_refused_for_a_model_that_draws_random_numbers():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"shards": 0}, "shards=0"), ({"shards": 1.5}, "shards=1.5"),
-    ({"steps": 0}, "steps=0"), ({"l2": -1.0}, "l2=-1.0"), ({"persistent": True}, "chain_shape=None")])
+    ({"steps": 0}, "steps=0"), ({"l2": -1.0}, "l2=-1.0"), ({"persistent": True}, "chain_shape=None"),
+    ({"chain_shape": (8, 2)}, r"pass persistent=True .* Received: chain_shape=\(8, 2\)"),
+    ({"persistent": True, "chain_shape": (8,)}, r"\[chains, \*the visible units' shape\].*chain_shape=\(8,\)"),
+    ({"persistent": True, "chain_shape": (8, 0)}, r"positive integers. Received: chain_shape=\(8, 0\)"),
+    ({"persistent": True, "chain_shape": (8, 2.0)}, r"chain_shape=\(8, 2.0\)"),
+    ({"persistent": True, "chain_shape": 8}, "chain_shape=8")])
 def test_cd_trainer_invalid_arguments(kwargs, message):
     with pytest.raises(InputError, match=message):
         CDTrainer(BernoulliRBM(2), **kwargs)

@@ -13,7 +13,35 @@ from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
-from poecaps.validation import check_array, check_choice, check_flag, check_integers, check_number
+from poecaps.validation import (
+    check_array,
+    check_choice,
+    check_flag,
+    check_integer,
+    check_integers,
+    check_number,
+    sizes_fit,
+)
+
+
+def _check_chain_shape(chain_shape):
+    """`chain_shape` as a tuple of positive ints, `[chains, *the visible units' shape]`, else an `InputError`."""
+    try:
+        sizes = tuple(check_integer(size, "size") for size in chain_shape)
+    except (InputError, TypeError):     # a size that is no positive integer, or no sequence at all
+        sizes = ()
+    if len(sizes) < 2:
+        raise InputError("chain_shape must be [chains, *the visible units' shape], positive integers. "
+                         f"Received: chain_shape={chain_shape!r}")
+    return sizes
+
+
+def _check_chain_fits(chain_shape, batch_shape):
+    """An `InputError` unless the chains hold visible units of the batch's shape (an unknown size fits any)."""
+    if len(chain_shape) != len(batch_shape) or not all(map(sizes_fit, chain_shape[1:], batch_shape[1:])):
+        raise InputError(f"The persistent chains hold visible units of shape {chain_shape[1:]} (chain_shape="
+                         f"{chain_shape}), the batch's are {batch_shape[1:]}; give chain_shape as "
+                         "[chains, *the visible units' shape].")
 
 
 def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
@@ -119,6 +147,11 @@ class CDTrainer(Trainer):
         persistent = check_flag(persistent, "persistent")
         if persistent and chain_shape is None:
             raise InputError("Persistent CD needs the chains' shape. Received: chain_shape=None")
+        if not persistent and chain_shape is not None:
+            raise InputError("chain_shape is the shape of persistent CD's chains; pass persistent=True for "
+                             f"persistent CD, or no chain_shape for CD-k. Received: chain_shape={chain_shape!r}")
+        if persistent:
+            chain_shape = _check_chain_shape(chain_shape)
         if persistent and distribute.num_replicas() > 1:
             raise InputError("Persistent chains live on one device; use CD-k (persistent=False) under a "
                              f"strategy with {distribute.num_replicas()} replicas. Received: persistent=True")
@@ -189,6 +222,8 @@ class CDTrainer(Trainer):
     def train_step(self, data):
         x, targets = self._batch(data)
         chain = None if self.chain is None else ops.convert_to_tensor(self.chain)
+        if chain is not None:
+            _check_chain_fits(tuple(chain.shape), tuple(x.shape))
         if self._shard_step is None:
             grads, negatives, stats = self._one_shard(x, chain, targets)
         else:
