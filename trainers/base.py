@@ -1,8 +1,11 @@
 """The one base of the trainers: a `keras.Model` that trains by its own objective."""
 
+import inspect
+
 import keras
 
 from poecaps.errors import InputError
+from poecaps.trainers.batch import weighted
 
 # `keras.Model.compile`'s arguments that a trainer's own `train_step` and `test_step` never read.
 OWN_OBJECTIVE = ("loss", "loss_weights", "metrics", "weighted_metrics")
@@ -16,6 +19,9 @@ class Trainer(keras.Model):
     execution settings alone: a `loss`, `loss_weights`, `metrics` or
     `weighted_metrics` given to it would be ignored by `train_step` and
     missing from the history, and raises an `InputError` naming them.
+    `fit` refuses a `class_weight` at once, as the steps refuse sample
+    weights (`poecaps.trainers.batch.unpack`): Keras would first read the y
+    as class labels, which for most trainers it is not.
 
     `targets` names what a batch's y holds for a trainer that learns from
     `(x, y)` pairs, and is None for one that learns from x alone
@@ -33,3 +39,8 @@ class Trainer(keras.Model):
                              f"compile takes no {', '.join(given)}. "
                              f"Received: {', '.join(f'{name}={value!r}' for name, value in given.items())}")
         super().compile(optimizer=optimizer, **kwargs)
+
+    def fit(self, *args, **kwargs):
+        if inspect.signature(keras.Model.fit).bind(self, *args, **kwargs).arguments.get("class_weight") is not None:
+            raise weighted(self)
+        return super().fit(*args, **kwargs)

@@ -21,11 +21,17 @@ def unpack(data, trainer):
     return x, y
 
 
+def weighted(trainer):
+    """The `InputError` of sample weights given to `trainer`."""
+    return InputError(f"{type(trainer).__name__} weighs every example alike; it takes no sample_weight or "
+                      "class_weight.")
+
+
 def check_batch(trainer, y, weights=None):
     """Raise the `InputError` of `unpack` for a batch's `y` and sample `weights` (None: none given)."""
     name = type(trainer).__name__
     if weights is not None:
-        raise InputError(f"{name} weighs every example alike; it takes no sample_weight or class_weight.")
+        raise weighted(trainer)
     if y is not None and trainer.targets is None:
         raise InputError(f"{name} learns from x alone and would ignore a y; pass x only.")
     if y is None and trainer.targets is not None:
