@@ -368,10 +368,10 @@ def test_similarity_initial_weights_take_any_finite_number_and_refuse_the_rest(n
 def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y):
     """Every trainer's loss (or CD statistic) is a batch mean that weighs examples alike: a batch with sample
     weights is refused by the trainer's name, where they were ignored before, and no weight has moved; without
-    them the same data trains. A dataset of `(x, y, w)` batches; with labels (or lower capsules),
-    `fit(sample_weight=...)` (Keras itself drops a `sample_weight` given with no y); and `class_weight`, by
-    keyword or by position, refused by `fit` before Keras reads the y as class labels (Keras failed there with a
-    TypeError on the decoder trainer's lower capsules and an IndexError with no y)."""
+    them the same data trains. A dataset of `(x, y, w)` batches; and `sample_weight` or `class_weight` given
+    to `fit` (or `evaluate`), by keyword or by position, refused at once. Before, Keras dropped a
+    `sample_weight` given with no y, and read a `class_weight`'s y as class labels, failing with a TypeError on
+    the decoder trainer's lower capsules and an IndexError with no y."""
     import tensorflow as tf
 
     trainer = make()
@@ -384,14 +384,14 @@ def test_trainers_refuse_sample_weights_that_they_would_ignore(name, make, x, y)
     with pytest.raises(InputError, match=message):
         trainer.fit(tf.data.Dataset.from_tensor_slices((x, x if y is None else y, weights)).batch(4), epochs=1,
                     shuffle=False, verbose=0)
-    if y is not None:
-        with pytest.raises(InputError, match=message):
-            trainer.fit(x, y, batch_size=4, epochs=1, verbose=0, sample_weight=weights)
     classes = {0: 1.0, 1: 2.0, 2: 1.0}
+    for weighing in ({"sample_weight": weights}, {"class_weight": classes}):
+        with pytest.raises(InputError, match=message):
+            trainer.fit(x, batch_size=4, epochs=1, verbose=0, **weighing, **labelled)
     with pytest.raises(InputError, match=message):
-        trainer.fit(x, batch_size=4, epochs=1, verbose=0, class_weight=classes, **labelled)
+        trainer.fit(x, y, 4, 1, 0, None, 0.0, None, True, classes, weights)     # fit's 10th and 11th arguments
     with pytest.raises(InputError, match=message):
-        trainer.fit(x, y, 4, 1, 0, None, 0.0, None, True, classes)     # class_weight is fit's tenth argument
+        trainer.evaluate(x, batch_size=4, verbose=0, sample_weight=weights, **labelled)
     for a, b in zip(trainer.get_weights(), before):
         np.testing.assert_array_equal(a, b)
 

@@ -19,9 +19,11 @@ class Trainer(keras.Model):
     execution settings alone: a `loss`, `loss_weights`, `metrics` or
     `weighted_metrics` given to it would be ignored by `train_step` and
     missing from the history, and raises an `InputError` naming them.
-    `fit` refuses a `class_weight` at once, as the steps refuse sample
-    weights (`poecaps.trainers.batch.unpack`): Keras would first read the y
-    as class labels, which for most trainers it is not.
+    `fit` and `evaluate` refuse a `sample_weight` or `class_weight` at once,
+    as the steps refuse the weights of a dataset's batches
+    (`poecaps.trainers.batch.unpack`): Keras would read a `class_weight`'s y
+    as class labels, which for most trainers it is not, and drops a
+    `sample_weight` given without y.
 
     `targets` names what a batch's y holds for a trainer that learns from
     `(x, y)` pairs, and is None for one that learns from x alone
@@ -40,7 +42,15 @@ class Trainer(keras.Model):
                              f"Received: {', '.join(f'{name}={value!r}' for name, value in given.items())}")
         super().compile(optimizer=optimizer, **kwargs)
 
-    def fit(self, *args, **kwargs):
-        if inspect.signature(keras.Model.fit).bind(self, *args, **kwargs).arguments.get("class_weight") is not None:
+    def _refuse_weights(self, method, args, kwargs):
+        given = inspect.signature(method).bind(self, *args, **kwargs).arguments
+        if given.get("sample_weight") is not None or given.get("class_weight") is not None:
             raise weighted(self)
+
+    def fit(self, *args, **kwargs):
+        self._refuse_weights(keras.Model.fit, args, kwargs)
         return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        self._refuse_weights(keras.Model.evaluate, args, kwargs)
+        return super().evaluate(*args, **kwargs)
