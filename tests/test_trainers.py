@@ -149,6 +149,16 @@ def test_delta_rule_trainer_fits_a_teacher_decoder(rng):
         DecoderTrainer(student, "clamped")
 
 
+def test_the_decoder_trainer_refuses_cd_sampling_settings_it_would_not_use():
+    """The decoder rules draw no samples; CD's sampling settings, which `DecoderTrainer` handed on to
+    `CDTrainer` and never used, are refused by name."""
+    student = _experts(3, 4, 5, 2, normalize="children", seed=1)
+    with pytest.raises(InputError, match=r"CD's steps, persistent would be unused. Received: steps=3, persistent=True$"):
+        DecoderTrainer(student, "delta", steps=3, persistent=True)
+    with pytest.raises(InputError, match=r"sparsity_cost would be unused. Received: sparsity_cost=0.1$"):
+        DecoderTrainer(student, "delta", sparsity_cost=0.1)
+
+
 def test_rbm_cd_gradient_equals_autodiff(rng):
     v = rng.uniform(size=(5, 7)).astype("float32")
     rbm = BernoulliRBM(4, seed=1)

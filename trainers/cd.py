@@ -245,6 +245,11 @@ class CDTrainer(Trainer):
         return self._update_metrics(x, stats)
 
 
+# CDTrainer's settings of its sampling, which the decoder rules do not use.
+SAMPLING_SETTINGS = ("steps", "persistent", "chain_shape", "sparsity_target", "sparsity_cost",
+                     "population_sparsity_cost")
+
+
 class DecoderTrainer(CDTrainer):
     """Trains a capsule decoder's U on (upper, lower) pairs by one of Hauser's decoder rules.
 
@@ -257,7 +262,7 @@ class DecoderTrainer(CDTrainer):
 
     Args: `rule`, then `model`, `preprocess`, `l2`, `heldout`, `seed` and
     `shards` as for `CDTrainer` (these rules draw no samples, so CD's steps,
-    chains and sparsity do not apply).
+    chains and sparsity do not apply: `SAMPLING_SETTINGS` are refused).
     """
 
     targets = "lower capsules"
@@ -265,6 +270,10 @@ class DecoderTrainer(CDTrainer):
     def __init__(self, model, rule="section41", preprocess=None, l2=1e-4, heldout=None, seed=None, shards=1,
                  **kwargs):
         check_choice(rule, "rule", DECODER_RULES)
+        unused = [name for name in SAMPLING_SETTINGS if name in kwargs]
+        if unused:
+            raise InputError(f"The decoder rules draw no samples, so CD's {', '.join(unused)} would be unused. "
+                             f"Received: {', '.join(f'{name}={kwargs[name]!r}' for name in unused)}")
         super().__init__(model, preprocess, l2=l2, heldout=heldout, seed=seed, shards=shards, **kwargs)
         self.rule = rule
         self.trackers = {name: keras.metrics.Mean(name=name) for name in ("code_error", "p_on", "free_energy")}
