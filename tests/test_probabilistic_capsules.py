@@ -503,6 +503,11 @@ def test_the_vae_trains_saves_and_reloads(tmp_path):
     assert trainer.evaluate(images, batch_size=32, verbose=0, return_dict=True)["bound"] > before
     clone = VariationalAutoencoder.from_config(vae.get_config())
     assert clone.get_config() == vae.get_config() and clone.image_size == (6, 5) and clone.latent == 3
+    # Built when made, as Keras counts it: two dense layers each side, 30 pixels, `hidden` units, 2 L outputs.
+    pixels, hidden, latent = 30, vae.hidden, 3
+    dense = lambda n_in, n_out: n_in * n_out + n_out
+    assert clone.built and clone.count_params() == (dense(pixels, hidden) + dense(hidden, 2 * latent)
+                                                    + dense(latent, hidden) + dense(hidden, pixels))
     path = str(tmp_path / "vae.keras")
     vae.save(path)
     restored = keras.saving.load_model(path)

@@ -54,6 +54,9 @@ class VariationalAutoencoder(keras.Model):
         self.decoder = keras.Sequential([keras.layers.Dense(hidden, "elu", kernel_initializer=init(2)),
                                          keras.layers.Dense(pixels, "sigmoid", kernel_initializer=init(3)),
                                          keras.layers.Reshape((*self.image_size, 1))], name="decoder")
+        self.build((None, *self.image_size, 1))
+
+    def build(self, input_shape=None):
         self.call(tf.zeros((1, *self.image_size, 1)))
 
     def encode(self, images):
