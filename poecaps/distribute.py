@@ -8,7 +8,8 @@ makes a step under N replicas equal to one device's step on the same
 global batch.
 
 Precision: "mixed_float16" and "mixed_bfloat16" set Keras' global policy;
-routing layers and energy models keep a float32 policy, so routing, free
+routers, energy models and the generative capsule models are
+`FullPrecision` layers, float32 weights and arithmetic, so routing, free
 energies and CD statistics stay in float32 (reductions in low precision lose
 the small differences CD is made of); likelihoods and variational bounds are
 computed in float32 from the low-precision outputs of the networks that
@@ -59,9 +60,9 @@ def precision_policy(name="float32"):
 
 
 def routing_dtype(dtype=None):
-    """The dtype a routing layer is made with: `dtype` if given; "float32" under a mixed global policy (float16
-    or bfloat16 compute), so that routing neither stores nor reads its weights in low precision and casts the
-    votes it is given to float32; otherwise None (the global policy: float64 routes in float64)."""
+    """The dtype a `FullPrecision` layer is made with: `dtype` if given; "float32" under a mixed global policy
+    (float16 or bfloat16 compute), so that it neither stores nor reads its weights in low precision and casts
+    what it is called on to float32; otherwise None (the global policy: float64 routes in float64)."""
     import keras
 
     if dtype is None and keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16"):

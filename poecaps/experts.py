@@ -63,7 +63,7 @@ def check_sparsity(sparsity):
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
-class CapsuleExperts(CapsuleDense, EnergyModel):
+class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
     """A product of expert capsules (Hauser 2019, eq. 7-18, Algorithm 1).
 
     A `CapsuleDense` layer whose `W` defines the energy
@@ -101,8 +101,6 @@ class CapsuleExperts(CapsuleDense, EnergyModel):
             routing = {"module": "poecaps.routing.dynamic", "class_name": "DynamicRouting",
                        "config": {"iterations": 3, "agreement": "cosine"},
                        "registered_name": "poecaps>DynamicRouting"}
-        # Energies and CD statistics stay float32 under a mixed-precision policy (float64 under a float64 one).
-        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(num_capsules, capsule_dim, routing=routing, **kwargs)
 
     @property

@@ -9,7 +9,7 @@ from poecaps.validation import check_integer
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
-class BernoulliRBM(keras.layers.Layer, EnergyModel):
+class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
     """Binary RBM with the same energy contract as the capsule experts.
 
         E(v, h) = - v^T W h - b^T v - a^T h                      (Hauser eq. 1)
@@ -34,8 +34,6 @@ class BernoulliRBM(keras.layers.Layer, EnergyModel):
     draws_random_numbers = True   # the Gibbs sampler (see EnergyModel)
 
     def __init__(self, num_hidden, seed=None, **kwargs):
-        # Energies stay float32 under mixed precision (float64 under a float64 policy).
-        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(**kwargs)
         self.num_hidden = check_integer(num_hidden, "num_hidden")
         self.seed = seed

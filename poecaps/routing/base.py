@@ -29,7 +29,7 @@ def check_activations(router, votes_shape, activations_shape):
                          f"{list(activations_shape)}")
 
 
-class Routing(keras.layers.Layer):
+class Routing(distribute.FullPrecision, keras.layers.Layer):
     """Base class of routing procedures.
 
     Call arguments:
@@ -48,14 +48,13 @@ class Routing(keras.layers.Layer):
     router's dtype policy is float32 unless `dtype` is given: its weights
     are neither stored nor read in low precision, and the votes that a
     capsule layer computed in low precision are cast to float32 on the way
-    in (`poecaps.distribute`). Under any other policy it follows the global
-    one (float64 routes in float64).
+    in (`poecaps.distribute.FullPrecision`). Under any other policy it
+    follows the global one (float64 routes in float64).
     """
 
     normalizes = "parents"
 
     def __init__(self, iterations=3, **kwargs):
-        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(**kwargs)
         self.iterations = check_integer(iterations, "iterations", minimum=0)
         # votes of another rank are refused by Keras with the layer's name and both ranks

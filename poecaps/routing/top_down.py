@@ -9,7 +9,7 @@ from poecaps.validation import check_flag, check_integer, check_number, sizes_fi
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
-class TopDownAttention(keras.layers.Layer):
+class TopDownAttention(distribute.FullPrecision, keras.layers.Layer):
     """Each child queries its parents' top-down predictions of it (eq. 6), with an inverse temperature.
 
     Children `V_i` (`[B, I, D]`) and the parents' predictions of each child
@@ -24,7 +24,7 @@ class TopDownAttention(keras.layers.Layer):
     child can drift to it; `beta` sets how sharply a child commits.
 
     Like every router, it attends in float32 under a mixed-precision global
-    policy unless given a `dtype` (`poecaps.distribute.routing_dtype`).
+    policy unless given a `dtype` (`poecaps.distribute.FullPrecision`).
 
     Args:
         iterations: rounds k (>= 1).
@@ -41,7 +41,6 @@ class TopDownAttention(keras.layers.Layer):
     """
 
     def __init__(self, iterations=3, beta=1.0, accumulate=False, trainable_beta=False, **kwargs):
-        kwargs["dtype"] = distribute.routing_dtype(kwargs.get("dtype"))
         super().__init__(**kwargs)
         iterations = check_integer(iterations, "iterations")
         self.iterations = iterations
