@@ -145,6 +145,49 @@ def test_a_callback_that_stops_the_interrupted_epoch_stops_the_resumed_run(tmp_p
     assert int(ops.convert_to_numpy(resumed.optimizer.iterations)) == 6      # epoch 1's six steps, no more
 
 
+def test_callbacks_see_a_run_resumed_mid_epoch_as_one_training(tmp_path, capsules):
+    """A run resumed mid-epoch fits twice (the interrupted epoch, then the rest), and its callbacks are told of
+    one training: begun once, every epoch's end, ended once. So EarlyStopping keeps its count of epochs without
+    improvement, and a CSVLogger (append=False) its file, a row for every epoch. Before, each fit began and
+    ended them: the second fit reset EarlyStopping and rewrote the log without the interrupted epoch's row. A
+    callback that stops the interrupted epoch ends the training once too."""
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def on_train_begin(self, logs=None):
+            self.calls.append("begin")
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.calls.append(epoch)
+
+        def on_train_end(self, logs=None):
+            self.calls.append("end")
+
+    class StopAtEpochEnd(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = True
+
+    def resumed_run(callbacks):
+        folder = str(tmp_path / str(len(os.listdir(tmp_path))))
+        fit_resumable(_capsule_trainer(), capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=folder,
+                      save_every=2, verbose=0)
+        os.remove(CheckpointManager(folder).paths()[0])       # the newest left: step 4 of epoch 0 (of 6 steps)
+        fit_resumable(_capsule_trainer(), capsules, epochs=3, batch_size=8, seed=0, checkpoint_dir=folder,
+                      save_every=2, resume=True, verbose=0, callbacks=callbacks)
+
+    recorder, log = Recorder(), str(tmp_path / "log.csv")
+    resumed_run([recorder, keras.callbacks.CSVLogger(log, append=False)])
+    assert recorder.calls == ["begin", 0, 1, 2, "end"]
+    with open(log) as handle:
+        assert [line.split(",")[0] for line in handle.read().splitlines()] == ["epoch", "0", "1", "2"]
+    stopped = Recorder()
+    resumed_run([stopped, StopAtEpochEnd()])
+    assert stopped.calls == ["begin", 0, "end"]
+    assert all("on_train_begin" not in vars(c) and "on_train_end" not in vars(c) for c in (recorder, stopped))
+
+
 def test_save_every_holds_when_keras_calls_back_every_few_steps(tmp_path, capsules):
     """Compiled with `steps_per_execution=3`, Keras calls back after steps 3 and 6 of an epoch of 6 (48
     examples in batches of 8): `save_every=2` writes after step 3 (steps 1-3 reached 2) and at the epoch's end,

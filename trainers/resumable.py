@@ -11,6 +11,7 @@ killed at any moment and resumed ends with the weights an uninterrupted run
 reaches (up to float tolerance).
 """
 
+import contextlib
 import os
 import sys
 
@@ -168,6 +169,22 @@ def _validation_arrays(validation_data):
     return None
 
 
+@contextlib.contextmanager
+def _silenced(callbacks, hook):
+    """`callbacks` whose `hook` (a method's name, "on_train_end" say) does nothing inside the block."""
+    own = [callback.__dict__.get(hook) for callback in callbacks]    # a hook set on the object itself, if any
+    for callback in callbacks:
+        setattr(callback, hook, lambda logs=None: None)
+    try:
+        yield
+    finally:
+        for callback, method in zip(callbacks, own):
+            if method is None:
+                delattr(callback, hook)
+            else:
+                setattr(callback, hook, method)
+
+
 def _merge(history, more):
     for key, values in more.history.items():
         history.setdefault(key, []).extend(values)
@@ -190,7 +207,9 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         save_every: also checkpoint every this many steps (0: only at epoch ends).
         on_nan: "stop", "reduce-lr" or "off" (see `NonFiniteGuard`).
         fault_log: JSON-lines file for NaN events.
-        callbacks: further Keras callbacks (run after the guard, before the checkpoint).
+        callbacks: further Keras callbacks (run after the guard, before the checkpoint). A run resumed
+            mid-epoch fits twice (the interrupted epoch, then the rest); they see one training, begun and
+            ended once (EarlyStopping keeps its patience, CSVLogger its file).
         validation_data: passed to `fit`: `(x, y)`, `(x,)`, x alone or a dataset, as Keras takes it; arrays
             are checked by the trainer's `check_inputs` before training.
         verbose: passed to `fit`; "auto" is a progress bar at a terminal or
@@ -252,13 +271,22 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
                                     validation_data=validation_data, verbose=verbose,
                                     callbacks=[EpochBatches.Sync(data), *all_callbacks, *more]))
 
+    user = list(callbacks)
     if start:   # finish the interrupted epoch first: Keras epochs all have one length
-        going_on = [KeepTrainedWeights()] if epoch + 1 < epochs else []
-        run(EpochBatches(arrays, batch_size, seed, epoch, start), epoch + 1, going_on)
+        going_on = epoch + 1 < epochs
+        with _silenced(user, "on_train_end") if going_on else contextlib.nullcontext():
+            run(EpochBatches(arrays, batch_size, seed, epoch, start), epoch + 1,
+                [KeepTrainedWeights()] if going_on else [])
         epoch += 1
         if trainer.stop_training:   # a callback stopped training (EarlyStopping, TerminateOnNaN): stay stopped
             trainer.optimizer.finalize_variable_values(trainer.trainable_weights)
+            if going_on:            # the training ends here, for the callbacks too
+                for callback in user:
+                    callback.on_train_end({key: values[-1] for key, values in history.items()})
             return history
-    if epoch < epochs:
-        run(EpochBatches(arrays, batch_size, seed, epoch, 0), epochs)
+        if going_on:
+            with _silenced(user, "on_train_begin"):
+                run(EpochBatches(arrays, batch_size, seed, epoch, 0), epochs)
+        return history
+    run(EpochBatches(arrays, batch_size, seed, epoch, 0), epochs)
     return history
