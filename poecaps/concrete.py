@@ -15,6 +15,8 @@ log space, the denominator by `logaddexp`.
 
 import tensorflow as tf
 
+from poecaps import distribute
+
 # Draws are kept this far inside (0, 1) so that logarithms stay finite; `log_prob` clips its argument
 # to within one unit of rounding of 1 in its own precision.
 _EDGE = 1e-6
@@ -41,10 +43,13 @@ def log_prob(y, logit, temperature=1.0):
 def sample(logit, temperature=1.0, seed=None):
     """One reparameterised draw per entry of `logit`: differentiable in `logit`.
 
-    `seed` is a stateless seed (a shape-[2] integer tensor) or None.
+    `seed` is a stateless seed (a shape-[2] integer tensor) or None. With
+    a seed, under a `tf.distribute` strategy each replica's draws for its
+    rows are one device's for the global batch (`distribute.per_example_draw`).
     """
     logit = tf.convert_to_tensor(logit)
-    shape = tf.shape(logit)
-    u = (tf.random.stateless_uniform(shape, seed, _EDGE, 1.0 - _EDGE, dtype=logit.dtype) if seed is not None
+    shape = tuple(tf.unstack(tf.shape(logit)))
+    uniform = lambda size, seed: tf.random.stateless_uniform(size, seed, _EDGE, 1.0 - _EDGE, dtype=logit.dtype)
+    u = (distribute.per_example_draw(uniform, shape, seed) if seed is not None
          else tf.random.uniform(shape, _EDGE, 1.0 - _EDGE, dtype=logit.dtype))
     return tf.sigmoid((logit + tf.math.log(u) - tf.math.log1p(-u)) / temperature)

@@ -44,7 +44,7 @@ def _run_worker(kind):
 # the movement on this machine). A tolerance of 1e-2 of each weight's movement is far above the
 # rounding on any machine and far below any error of the kind tested.
 TOLERANCE = 1e-2
-TRAINERS = {"cd", "rbm", "autoencoder", "capsnet", "em", "routingnet", "generative"}
+TRAINERS = {"cd", "rbm", "autoencoder", "capsnet", "em", "routingnet", "generative", "vae", "capsules"}
 
 
 def _check(result, replicas):

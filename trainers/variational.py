@@ -24,8 +24,8 @@ class VariationalTrainer(Trainer):
     Metrics: every term per image, and `mse`, the reconstruction error of
     the encoder's means. Under a strategy of N replicas the step is the
     global batch's mean (each replica's loss over N, as Keras sums their
-    gradients), but every replica draws its latents from the same seed, so
-    the draws are not one device's draws for the global batch.
+    gradients), and each replica draws its examples' latents as one device
+    draws them for the global batch (`poecaps.distribute.per_example_draw`).
 
     Args:
         model: the model.

@@ -81,8 +81,10 @@ class VariationalAutoencoder(keras.Model):
         every model it trains.
         """
         mu, sigma = self.encode(images)
+        # Seeded: under a strategy, one device's draws for the global batch, this replica's rows of them.
+        normal = lambda size, seed: tf.random.stateless_normal(size, seed, dtype=mu.dtype)
         eps = (tf.random.normal(tf.shape(mu), dtype=mu.dtype) if seed is None
-               else tf.random.stateless_normal(tf.shape(mu), seed, dtype=mu.dtype))
+               else distribute.per_example_draw(normal, (tf.shape(mu)[0], self.latent), seed))
         mean = self.decode(mu + sigma * eps)
         pixels = self.image_size[0] * self.image_size[1]
         squares = tf.reduce_sum(tf.reshape(tf.square(tf.cast(images, mean.dtype) - mean), [-1, pixels]), -1)
