@@ -56,7 +56,7 @@ class AutoencoderTrainer(Trainer):
         images, _ = unpack(data, self)
         with tf.GradientTape() as tape:
             loss, mse = self._reconstruction_losses(images, training=True)
-            scaled = distribute.replica_loss(self.optimizer, loss)
+            scaled = distribute.replica_loss(self.optimizer, self.regularized(loss))
         weights = self.autoencoder.trainable_weights
         self.optimizer.apply(tape.gradient(scaled, weights), weights)
         return self._report(loss, mse)

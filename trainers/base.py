@@ -3,6 +3,7 @@
 import inspect
 
 import keras
+from keras import ops
 
 from poecaps.errors import InputError
 from poecaps.trainers.batch import weighted
@@ -25,6 +26,13 @@ class Trainer(keras.Model):
     as class labels, which for most trainers it is not, and drops a
     `sample_weight` given without y.
 
+    The trained model's `losses` (weight regularizers such as a
+    `kernel_regularizer`, and `add_loss` terms) join the objective, as Keras
+    adds them to a compiled loss: `regularized(loss)` for the trainers that
+    differentiate a loss, `regularized_gradients` for the CD trainers, whose
+    update is not a loss's gradient. The reported metrics are the model's
+    objective alone.
+
     `targets` names what a batch's y holds for a trainer that learns from
     `(x, y)` pairs, and is None for one that learns from x alone
     (`poecaps.trainers.batch.unpack` holds each to it).
@@ -41,6 +49,23 @@ class Trainer(keras.Model):
                              f"compile takes no {', '.join(given)}. "
                              f"Received: {', '.join(f'{name}={value!r}' for name, value in given.items())}")
         super().compile(optimizer=optimizer, **kwargs)
+
+    def regularized(self, loss):
+        """`loss` plus the trainer's `losses` (each cast to `loss`'s dtype)."""
+        for term in self.losses:
+            loss = loss + ops.cast(term, loss.dtype)
+        return loss
+
+    def regularized_gradients(self, gradients, weights):
+        """`gradients` of `weights` plus the gradients of the trainer's `losses` in them."""
+        import tensorflow as tf
+
+        if not self.losses:
+            return gradients
+        with tf.GradientTape() as tape:
+            penalty = self.regularized(ops.zeros((), gradients[0].dtype))
+        extra = tape.gradient(penalty, weights)
+        return [g if e is None else g + ops.cast(e, g.dtype) for g, e in zip(gradients, extra)]
 
     def _refuse_weights(self, method, args, kwargs):
         given = inspect.signature(method).bind(self, *args, **kwargs).arguments

@@ -228,6 +228,7 @@ class CDTrainer(Trainer):
             grads, negatives, stats = self._one_shard(x, chain, targets)
         else:
             grads, negatives, stats = sharded_cd_step(self._shard_step, x, self.shards, chain, targets)
+        grads = self.regularized_gradients(grads, self.energy_model.trainable_weights)
         # Each replica's statistics average its share of the batch; Keras sums replicas' gradients.
         scale = distribute.replica_scale()
         grads = [g * scale for g in grads]

@@ -79,7 +79,7 @@ class GenerativeCapsuleTrainer(Trainer):
         v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
         with tf.GradientTape() as tape:
             per_child, entropy = self._statistics(children, a, v, r)
-            scaled = distribute.replica_loss(self.optimizer, -per_child)
+            scaled = distribute.replica_loss(self.optimizer, self.regularized(-per_child))
         weights = self.layer.trainable_weights
         self.optimizer.apply(tape.gradient(scaled, weights), weights)
         self.bound_tracker.update_state(per_child)

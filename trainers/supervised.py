@@ -89,7 +89,7 @@ class SupervisedTrainer(Trainer):
         """`(gradients, loss, scores, {name: term})` of one batch (or shard)."""
         with tf.GradientTape() as tape:
             loss, scores, terms = self.network.loss_terms(images, labels, training=True, step=self._step())
-            scaled = distribute.replica_loss(self.optimizer, loss)
+            scaled = distribute.replica_loss(self.optimizer, self.regularized(loss))
         return tape.gradient(scaled, self.network.trainable_weights), loss, scores, terms
 
     def _sharded_gradients(self, images, labels):

@@ -65,7 +65,7 @@ class VariationalTrainer(Trainer):
         with tf.GradientTape() as tape:
             terms = self.model.bound(images, seed=seed, training=True)
             loss = -tf.reduce_mean(terms.get("objective", terms["bound"])) / pixels
-            scaled = distribute.replica_loss(self.optimizer, loss)
+            scaled = distribute.replica_loss(self.optimizer, self.regularized(loss))
         weights = self.model.trainable_weights
         self.optimizer.apply(tape.gradient(scaled, weights), weights)
         return self._update(images, terms)
