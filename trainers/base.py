@@ -60,10 +60,11 @@ class Trainer(keras.Model):
         """`gradients` of `weights` plus the gradients of the trainer's `losses` in them."""
         import tensorflow as tf
 
-        if not self.losses:
-            return gradients
         with tf.GradientTape() as tape:
-            penalty = self.regularized(ops.zeros((), gradients[0].dtype))
+            terms = self.losses         # weight regularizers are computed here, from the watched weights
+            penalty = sum(ops.cast(term, gradients[0].dtype) for term in terms)
+        if not terms:
+            return gradients
         extra = tape.gradient(penalty, weights)
         return [g if e is None else g + ops.cast(e, g.dtype) for g, e in zip(gradients, extra)]
 

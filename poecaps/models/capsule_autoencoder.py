@@ -295,7 +295,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
         Per part: the presence logit, 6 pose entries (with `anchored_parts`,
         the translation entries offset from the cell centre) and the
-        attention logit.
+        attention logit. In float32 under a mixed policy (the convolutions' low precision cast up).
         """
         check_image_batch(images, self.generative.image_size, type(self).__name__)
         h = images if self.anchored_parts else ops.concatenate([images, _coordinates(images)], axis=-1)
@@ -303,6 +303,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             h = conv(h)
         n, (height, width) = self.generative.num_parts, h.shape[1:3]
         head = ops.reshape(self.part_head(h), (-1, height, width, n, 8))
+        head = ops.cast(head, distribute.full_precision_dtype(head))
         if self.anchored_parts:          # the translation entries (2 and 5 of the pose) offset from the cell centre
             place = tf.constant([[0.0] * 3 + [1.0] + [0.0] * 4, [0.0] * 6 + [1.0, 0.0]], head.dtype)  # x -> 3, y -> 6
             anchor = ops.matmul(_coordinates(h[..., :1]), place)                   # [B, h, w, 8]
@@ -312,7 +313,6 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
     def part_attention(self, images):
         """`[B, h, w, N]`: each part's attention over the cells of the last feature map (sums to 1 per part)."""
         cells, (height, width) = self._part_cells(images)
-        cells = ops.cast(cells, distribute.full_precision_dtype(cells))
         return ops.reshape(ops.softmax(cells[..., 7], axis=1), (-1, height, width, self.generative.num_parts))
 
     def encode_parts(self, images):
@@ -323,7 +323,6 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         """`encode_parts` and, with `localisation`, the entropies `H_j [B, N]` (nats) of the parts' attention
         over the cells (else None)."""
         cells, _ = self._part_cells(images)
-        cells = ops.cast(cells, distribute.full_precision_dtype(cells))    # float32 under a mixed policy
         weights = ops.softmax(cells[..., 7], axis=1)                                # over the positions
         pooled = ops.sum(weights[..., None] * cells[..., :7], axis=1)               # [B, N, 7]
         entropy = None
