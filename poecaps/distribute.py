@@ -60,12 +60,14 @@ def precision_policy(name="float32"):
 
 
 def routing_dtype(dtype=None):
-    """The dtype a `FullPrecision` layer is made with: `dtype` if given; "float32" under a mixed global policy
-    (float16 or bfloat16 compute), so that it neither stores nor reads its weights in low precision and casts
-    what it is called on to float32; otherwise None (the global policy: float64 routes in float64)."""
+    """The dtype a `FullPrecision` layer is made with: "float32" under a mixed policy (float16 or bfloat16
+    compute), the given `dtype`'s or else the global one, so that it neither stores nor reads its weights in low
+    precision and casts what it is called on to float32; otherwise `dtype` as given (None: the global policy;
+    float64 routes in float64)."""
     import keras
 
-    if dtype is None and keras.config.dtype_policy().compute_dtype in ("float16", "bfloat16"):
+    policy = keras.config.dtype_policy() if dtype is None else keras.dtype_policies.get(dtype)
+    if policy.compute_dtype in ("float16", "bfloat16"):
         return "float32"
     return dtype
 
@@ -89,8 +91,9 @@ class FullPrecision:
 
 
 def full_precision_dtype(tensor):
-    """The dtype to route, or to compute a likelihood or bound, in for `tensor` (votes, a network's output):
-    float64 stays float64; anything else (float32, or the float16 or bfloat16 of a mixed policy) is float32."""
+    """The dtype to route, or to compute a likelihood or bound, in for `tensor` (votes, a network's output; or
+    anything with a `dtype`, such as a layer, whose `dtype` is its weights'): float64 stays float64; anything
+    else (float32, or the float16 or bfloat16 of a mixed policy) is float32."""
     import keras
 
     return "float64" if keras.backend.standardize_dtype(tensor.dtype) == "float64" else "float32"

@@ -102,7 +102,7 @@ class CapsuleDense(keras.layers.Layer):
         self.num_capsules, self.capsule_dim = check_integers(num_capsules=num_capsules, capsule_dim=capsule_dim)
         pose_size(self.capsule_dim, pose)
         self.pose = pose
-        self.routing = routing_lib.get(routing)
+        self.routing = routing_lib.get(routing, dtype=self.dtype_policy)
         self.kernel_initializer = keras.initializers.get(
             kernel_initializer
             or keras.initializers.RandomNormal(stddev=0.01 if pose == "vector" else 0.5))

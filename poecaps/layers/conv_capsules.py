@@ -57,7 +57,7 @@ class _CapsuleMapLayer(keras.layers.Layer):
         self.num_capsules = num_capsules
         self.capsule_dim = capsule_dim
         self.pose = pose
-        self.routing = routing_lib.get(routing)
+        self.routing = routing_lib.get(routing, dtype=self.dtype_policy)
         self.frobenius_votes = check_flag(frobenius_votes, "frobenius_votes")
         self.kernel_initializer = keras.initializers.get(
             kernel_initializer
@@ -270,9 +270,9 @@ class PrimaryMatrixCapsules(keras.layers.Layer):
                                                               kernel_size=kernel_size)
         self.num_capsules, self.pose_side, self.kernel_size = num_capsules, pose_side, kernel_size
         self.pose_conv = keras.layers.Conv2D(num_capsules * pose_side * pose_side, kernel_size,
-                                             name="pose_conv")
-        self.activation_conv = keras.layers.Conv2D(num_capsules, kernel_size,
-                                                   activation="sigmoid", name="activation_conv")
+                                             name="pose_conv", dtype=self.dtype_policy)
+        self.activation_conv = keras.layers.Conv2D(num_capsules, kernel_size, activation="sigmoid",
+                                                   name="activation_conv", dtype=self.dtype_policy)
 
     def build(self, input_shape):
         self.pose_conv.build(input_shape)

@@ -59,10 +59,11 @@ class MultiheadAttentionBlock(keras.layers.Layer):
         if units % heads:
             raise InputError(f"units must be a multiple of heads. Received: units={units}, heads={heads}")
         self.units, self.heads = units, heads
-        self.attention = keras.layers.MultiHeadAttention(heads, units // heads, name="attention")
-        self.norm1 = keras.layers.LayerNormalization(name="norm1")
-        self.norm2 = keras.layers.LayerNormalization(name="norm2")
-        self.feed_forward = keras.layers.Dense(units, activation="relu", name="feed_forward")
+        dtype = self.dtype_policy
+        self.attention = keras.layers.MultiHeadAttention(heads, units // heads, name="attention", dtype=dtype)
+        self.norm1 = keras.layers.LayerNormalization(name="norm1", dtype=dtype)
+        self.norm2 = keras.layers.LayerNormalization(name="norm2", dtype=dtype)
+        self.feed_forward = keras.layers.Dense(units, activation="relu", name="feed_forward", dtype=dtype)
 
     def build(self, x_shape, y_shape):
         _check_width(x_shape, self.units, self)
@@ -110,8 +111,8 @@ class InducedSetAttention(keras.layers.Layer):
     def __init__(self, units=128, heads=4, inducing=32, **kwargs):
         super().__init__(**kwargs)
         self.units, self.heads, self.inducing = check_integers(units=units, heads=heads, inducing=inducing)
-        self.summarise = MultiheadAttentionBlock(units, heads, name="summarise")
-        self.broadcast = MultiheadAttentionBlock(units, heads, name="broadcast")
+        self.summarise = MultiheadAttentionBlock(units, heads, name="summarise", dtype=self.dtype_policy)
+        self.broadcast = MultiheadAttentionBlock(units, heads, name="broadcast", dtype=self.dtype_policy)
 
     def build(self, input_shape):
         _check_width(input_shape, self.units, self)
@@ -158,8 +159,8 @@ class AttentionPooling(keras.layers.Layer):
     def __init__(self, units=128, heads=4, seeds=1, **kwargs):
         super().__init__(**kwargs)
         self.units, self.heads, self.seeds = check_integers(units=units, heads=heads, seeds=seeds)
-        self.feed_forward = keras.layers.Dense(units, activation="relu", name="feed_forward")
-        self.block = MultiheadAttentionBlock(units, heads, name="block")
+        self.feed_forward = keras.layers.Dense(units, activation="relu", name="feed_forward", dtype=self.dtype_policy)
+        self.block = MultiheadAttentionBlock(units, heads, name="block", dtype=self.dtype_policy)
 
     def build(self, input_shape):
         self.seed_vectors = self.add_weight(name="seed_vectors", shape=(1, self.seeds, self.units),

@@ -85,21 +85,22 @@ class CapsNet(keras.Model):
         self.class_dim = class_dim
         self.kernel_size = kernel_size
         self.seed = seed
-        self.conv1 = keras.layers.Conv2D(conv_filters, kernel_size, activation="relu", name="conv1")
+        dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on
+        self.conv1 = keras.layers.Conv2D(conv_filters, kernel_size, activation="relu", name="conv1", dtype=dtype)
         self.primary_conv = keras.layers.Conv2D(primary_types * primary_dim, kernel_size,
-                                                strides=2, name="primary_conv")
-        self.primary = PrimaryCapsules(primary_dim, name="primary_capsules")
+                                                strides=2, name="primary_conv", dtype=dtype)
+        self.primary = PrimaryCapsules(primary_dim, name="primary_capsules", dtype=dtype)
         self.class_capsules = CapsuleDense(
-            num_classes, class_dim, routing=DynamicRouting(routing_iterations, "dot"),
+            num_classes, class_dim, routing=DynamicRouting(routing_iterations, "dot", dtype=dtype),
             # N(0, 0.1): with 1152 inputs the class capsules start at lengths ~0.1, where the
             # squash still passes gradient (N(0, 0.01) starts them at ~0.002).
             kernel_initializer=keras.initializers.RandomNormal(stddev=0.1, seed=seed),
-            name="class_capsules")
+            name="class_capsules", dtype=dtype)
         self.decoder = None if not reconstruction else keras.Sequential([
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(math.prod(self.image_shape), activation="sigmoid"),
-            keras.layers.Reshape(self.image_shape),
+            keras.layers.Dense(512, activation="relu", dtype=dtype),
+            keras.layers.Dense(1024, activation="relu", dtype=dtype),
+            keras.layers.Dense(math.prod(self.image_shape), activation="sigmoid", dtype=dtype),
+            keras.layers.Reshape(self.image_shape, dtype=dtype),
         ], name="decoder")
         self.build()
 
@@ -149,9 +150,9 @@ class CapsNet(keras.Model):
         return total, result.activations, terms
 
     def get_config(self):
-        return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
+        return {**super().get_config(),  # name, trainable, dtype
+                "image_shape": list(self.image_shape), "num_classes": self.num_classes,
                 "routing_iterations": self.routing_iterations, "reconstruction": self.reconstruction,
                 "reconstruction_weight": self.reconstruction_weight, "conv_filters": self.conv_filters,
                 "primary_types": self.primary_types, "primary_dim": self.primary_dim,
-                "class_dim": self.class_dim, "kernel_size": self.kernel_size, "seed": self.seed,
-                "name": self.name}
+                "class_dim": self.class_dim, "kernel_size": self.kernel_size, "seed": self.seed}

@@ -113,7 +113,8 @@ pulls each part's attention onto few cells. Like the other extra terms it
 is not part of the bound, which `refine` and every figure use.
 
 Args:
-    generative: a `ProbabilisticCapsules` (or its config dict).
+    generative: a `ProbabilisticCapsules` (or its config dict) of the model's
+        precision (made with the model's `dtype`, if one is given).
     channels, hidden, encoding, blocks, inducing, heads: encoder sizes
         (32, 128, 32, 4, 32, 4).
     specialisation: the weight `w >= 0` of `I` in the training objective,
@@ -148,6 +149,7 @@ import tensorflow as tf
 from keras import ops
 
 from poecaps import compositing, concrete, distribute, frames, graphs
+from poecaps.errors import InputError
 from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
 from poecaps.validation import (
@@ -262,27 +264,37 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         self.anchored_parts = check_flag(anchored_parts, "anchored_parts")
         self.localisation = check_number(localisation, "localisation", minimum=0)
         if generative is None:
-            generative = ProbabilisticCapsules(seed=seed)
+            generative = ProbabilisticCapsules(seed=seed, dtype=self.dtype_policy)
         elif isinstance(generative, dict):
             generative = keras.saving.deserialize_keras_object(generative)
+        if not isinstance(generative, ProbabilisticCapsules):
+            raise InputError(f"generative must be a ProbabilisticCapsules or its config. Received: {generative!r}")
+        full = "float64" if self.compute_dtype == "float64" else "float32"
+        if generative.compute_dtype != full:
+            raise InputError(
+                f"generative computes in {generative.compute_dtype}, but this model's likelihoods are computed in "
+                f"{full} (its dtype policy is {self.dtype_policy.name}); make the ProbabilisticCapsules with "
+                f"dtype={self.dtype_policy.name!r}. Received: generative.dtype_policy={generative.dtype_policy.name}")
         self.generative = generative
         self.channels, self.hidden, self.encoding = channels, hidden, encoding
         self.blocks, self.inducing, self.heads, self.seed = blocks, inducing, heads, seed
         k, n = generative.num_top, generative.num_parts
         init = lambda i: keras.initializers.GlorotUniform(seed=seed + i)
+        dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on
         self.convs = [keras.layers.Conv2D(channels, 3, strides=s, padding="same", activation="elu",
-                                          kernel_initializer=init(i), name=f"part_conv{i}")
+                                          kernel_initializer=init(i), name=f"part_conv{i}", dtype=dtype)
                       for i, s in enumerate((2, 2, 1, 1))]
-        self.part_head = keras.layers.Conv2D(n * 8, 1, kernel_initializer=init(4), name="part_head")
-        self.part_normalisation = distribute.batch_normalization(name="part_normalisation")
-        self.embed = keras.layers.Dense(hidden, kernel_initializer=init(5), name="part_embedding")
-        self.isabs = [InducedSetAttention(hidden, heads, inducing, name=f"isab{i}") for i in range(blocks)]
-        self.pool = AttentionPooling(hidden, heads, 1, name="pool")
-        self.to_encoding = keras.layers.Dense(encoding, kernel_initializer=init(6), name="encoding")
-        self.top_presence_mlp = keras.Sequential([keras.layers.Dense(hidden, activation="elu"), keras.layers.Dense(k)],
-                                                 name="top_presence")
-        self.top_pose_mlp = keras.Sequential([keras.layers.Dense(hidden, activation="elu"),
-                                              keras.layers.Dense(k * 6)], name="top_pose")
+        self.part_head = keras.layers.Conv2D(n * 8, 1, kernel_initializer=init(4), name="part_head", dtype=dtype)
+        self.part_normalisation = distribute.batch_normalization(name="part_normalisation", dtype=dtype)
+        self.embed = keras.layers.Dense(hidden, kernel_initializer=init(5), name="part_embedding", dtype=dtype)
+        self.isabs = [InducedSetAttention(hidden, heads, inducing, name=f"isab{i}", dtype=dtype)
+                      for i in range(blocks)]
+        self.pool = AttentionPooling(hidden, heads, 1, name="pool", dtype=dtype)
+        self.to_encoding = keras.layers.Dense(encoding, kernel_initializer=init(6), name="encoding", dtype=dtype)
+        self.top_presence_mlp = keras.Sequential([keras.layers.Dense(hidden, activation="elu", dtype=dtype),
+                                                  keras.layers.Dense(k, dtype=dtype)], name="top_presence")
+        self.top_pose_mlp = keras.Sequential([keras.layers.Dense(hidden, activation="elu", dtype=dtype),
+                                              keras.layers.Dense(k * 6, dtype=dtype)], name="top_pose")
         scale = generative.part_scale - 1.0
         self.part_pose_offset = tf.constant([scale, 0.0, 0.0, 0.0, scale, 0.0])
         self.build((None, *generative.image_size, 1))
@@ -339,7 +351,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             part_pose = frames.to_frame(frame, part_pose + identity) - identity
         parts = ops.reshape(ops.concatenate([part_presence[..., None], part_pose], axis=-1), (-1, n * 7))
         parts = ops.reshape(self.part_normalisation(parts, training=training), (-1, n, 7))
-        index = ops.broadcast_to(ops.eye(n)[None], (ops.shape(part_pose)[0], n, n))
+        index = ops.broadcast_to(ops.eye(n, dtype=parts.dtype)[None], (ops.shape(part_pose)[0], n, n))
         h = self.embed(ops.concatenate([parts, index], axis=-1))
         for block in self.isabs:
             h = block(h)
@@ -468,12 +480,12 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         return found
 
     def get_config(self):
-        return {"generative": keras.saving.serialize_keras_object(self.generative), "channels": self.channels,
+        return {**super().get_config(),  # name, trainable, dtype
+                "generative": keras.saving.serialize_keras_object(self.generative), "channels": self.channels,
                 "hidden": self.hidden, "encoding": self.encoding, "blocks": self.blocks,
                 "inducing": self.inducing, "heads": self.heads, "specialisation": self.specialisation,
                 "within_sparsity": self.within_sparsity, "between_sparsity": self.between_sparsity,
                 "sparsity_classes": self.sparsity_classes, "detach_parts": self.detach_parts,
                 "equivariant_top": self.equivariant_top, "anchored_parts": self.anchored_parts,
                 "localisation": self.localisation,
-                "seed": self.seed,
-                "name": self.name}
+                "seed": self.seed}

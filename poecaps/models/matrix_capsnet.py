@@ -73,18 +73,19 @@ class MatrixCapsNet(keras.Model):
             kernel_initializer or NearIdentity(0.1))
         self.chunk_capsules = chunk_capsules = check_integer(chunk_capsules, "chunk_capsules", allow_none=True)
         chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
+        dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on
         em = lambda name: EMRouting(routing_iterations, final_lambda,
-                                    cost_normalization=cost_normalization, name=name)
+                                    cost_normalization=cost_normalization, name=name, dtype=dtype)
         init = lambda: keras.initializers.get(keras.initializers.serialize(self.kernel_initializer))
-        self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1")
-        self.norm = distribute.batch_normalization(name="batch_norm") if batch_norm else None
-        self.primary = PrimaryMatrixCapsules(b, name="primary_capsules")
+        self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1", dtype=dtype)
+        self.norm = distribute.batch_normalization(name="batch_norm", dtype=dtype) if batch_norm else None
+        self.primary = PrimaryMatrixCapsules(b, name="primary_capsules", dtype=dtype)
         self.conv_caps1 = ConvCapsules(c, 16, 3, 2, routing=em("em1"), chunk_size=chunk(b),
-                                       kernel_initializer=init(), name="conv_caps1")
+                                       kernel_initializer=init(), name="conv_caps1", dtype=dtype)
         self.conv_caps2 = ConvCapsules(d, 16, 3, 1, routing=em("em2"), chunk_size=chunk(c),
-                                       kernel_initializer=init(), name="conv_caps2")
+                                       kernel_initializer=init(), name="conv_caps2", dtype=dtype)
         self.class_capsules = ClassCapsules(num_classes, 16, routing=em("em3"), kernel_initializer=init(),
-                                            name="class_capsules")
+                                            name="class_capsules", dtype=dtype)
         self.build()
 
     def build(self, input_shape=None):
@@ -119,10 +120,11 @@ class MatrixCapsNet(keras.Model):
         return spread, result.activations, {"spread_loss": spread, "margin": margin}
 
     def get_config(self):
-        return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
+        return {**super().get_config(),  # name, trainable, dtype
+                "image_shape": list(self.image_shape), "num_classes": self.num_classes,
                 "routing_iterations": self.routing_iterations, "a": self.a, "b": self.b, "c": self.c,
                 "d": self.d, "final_lambda": self.final_lambda,
                 "cost_normalization": self.cost_normalization, "margin_steps": self.margin_steps,
                 "batch_norm": self.batch_norm,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "chunk_capsules": self.chunk_capsules, "name": self.name}
+                "chunk_capsules": self.chunk_capsules}

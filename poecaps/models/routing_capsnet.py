@@ -48,7 +48,8 @@ def layer_routers(routing, iterations=3, seed=0, **options):
     """
     if routing == "sparse_inference":
         # The uniform network, whose class capsules are inferred at test time (Kiefer et al.).
-        return [routing_lib.get("uniform", agreement="dot"), routing_lib.get("uniform", agreement="dot"),
+        uniform = {"agreement": "dot", **({"dtype": options["dtype"]} if "dtype" in options else {})}
+        return [routing_lib.get("uniform", **uniform), routing_lib.get("uniform", **uniform),
                 routing_lib.get("sparse_inference", **options)]
     if routing in ("uniform", "dynamic"):
         options = {"agreement": "dot", **options}
@@ -146,23 +147,27 @@ class RoutingCapsNet(keras.Model):
         self.seed = seed
         chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
         if isinstance(routing, str):
-            routers = layer_routers(routing, routing_iterations, seed)
+            routers = layer_routers(routing, routing_iterations, seed, dtype=self.dtype_policy)
         else:
-            routers = [routing_lib.get(r) for r in routing]
+            routers = [routing_lib.get(r, dtype=self.dtype_policy) for r in routing]
             if len(routers) != 3:
                 raise InputError(f"routing needs one router per capsule layer (3). Received: {len(routers)}")
         init = lambda k: NearIdentity(0.1, seed=seed + k)
         conv_init = lambda k: keras.initializers.GlorotUniform(seed=seed + k)
+        dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on
         self.conv1 = keras.layers.Conv2D(filters, 5, strides=2, activation="relu", kernel_initializer=conv_init(0),
-                                         name="conv1")
-        self.batch_norm = distribute.batch_normalization(name="batch_norm")
-        self.primary = PrimaryMatrixCapsules(primary_types, name="primary_capsules")
+                                         name="conv1", dtype=dtype)
+        self.batch_norm = distribute.batch_normalization(name="batch_norm", dtype=dtype)
+        self.primary = PrimaryMatrixCapsules(primary_types, name="primary_capsules", dtype=dtype)
         self.conv_caps1 = ConvCapsules(conv_types, 16, 3, 2, routing=routers[0], kernel_initializer=init(1),
-                                       frobenius_votes=True, chunk_size=chunk(primary_types), name="conv_caps1")
+                                       frobenius_votes=True, chunk_size=chunk(primary_types), name="conv_caps1",
+                                       dtype=dtype)
         self.conv_caps2 = ConvCapsules(conv_types, 16, 3, 1, routing=routers[1], kernel_initializer=init(2),
-                                       frobenius_votes=True, chunk_size=chunk(conv_types), name="conv_caps2")
+                                       frobenius_votes=True, chunk_size=chunk(conv_types), name="conv_caps2",
+                                       dtype=dtype)
         self.class_capsules = CapsuleDense(num_classes, 16, routing=routers[2], pose="matrix",
-                                           kernel_initializer=init(3), frobenius_votes=True, name="class_capsules")
+                                           kernel_initializer=init(3), frobenius_votes=True, name="class_capsules",
+                                           dtype=dtype)
         if loss == "scaled_cross_entropy":
             self.log_logit_scale = self.add_weight(name="log_logit_scale", shape=(),
                                                    initializer=keras.initializers.Constant(math.log(logit_scale)))
@@ -215,10 +220,10 @@ class RoutingCapsNet(keras.Model):
         return loss, scores, {f"{self.loss}_loss": loss}
 
     def get_config(self):
-        return {"image_shape": list(self.image_shape), "num_classes": self.num_classes,
+        return {**super().get_config(),  # name, trainable, dtype
+                "image_shape": list(self.image_shape), "num_classes": self.num_classes,
                 "routing": [keras.saving.serialize_keras_object(r) for r in self.routers],
                 "routing_iterations": self.routing_iterations, "loss": self.loss,
                 "logit_scale": self.logit_scale,
                 "margin_steps": self.margin_steps, "filters": self.filters, "primary_types": self.primary_types,
-                "conv_types": self.conv_types, "chunk_capsules": self.chunk_capsules, "seed": self.seed,
-                "name": self.name}
+                "conv_types": self.conv_types, "chunk_capsules": self.chunk_capsules, "seed": self.seed}

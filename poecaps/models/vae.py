@@ -49,11 +49,14 @@ class VariationalAutoencoder(keras.Model):
         self.latent, self.hidden, self.pixel_sigma, self.seed = latent, hidden, pixel_sigma, int(seed)
         init = lambda i: keras.initializers.GlorotUniform(seed=seed + i)
         pixels = self.image_size[0] * self.image_size[1]
-        self.encoder = keras.Sequential([keras.layers.Flatten(), keras.layers.Dense(hidden, "elu", kernel_initializer=init(0)),
-                                         keras.layers.Dense(2 * latent, kernel_initializer=init(1))], name="encoder")
-        self.decoder = keras.Sequential([keras.layers.Dense(hidden, "elu", kernel_initializer=init(2)),
-                                         keras.layers.Dense(pixels, "sigmoid", kernel_initializer=init(3)),
-                                         keras.layers.Reshape((*self.image_size, 1))], name="decoder")
+        dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on
+        dense = lambda units, i, activation=None: keras.layers.Dense(units, activation, kernel_initializer=init(i),
+                                                                     dtype=dtype)
+        self.encoder = keras.Sequential([keras.layers.Flatten(dtype=dtype), dense(hidden, 0, "elu"), dense(2 * latent, 1)],
+                                        name="encoder")
+        self.decoder = keras.Sequential([dense(hidden, 2, "elu"), dense(pixels, 3, "sigmoid"),
+                                         keras.layers.Reshape((*self.image_size, 1), dtype=dtype)],
+                                        name="decoder")
         self.build((None, *self.image_size, 1))
 
     def build(self, input_shape=None):
@@ -93,5 +96,6 @@ class VariationalAutoencoder(keras.Model):
         return {"bound": image - kl, "image": image, "kl": kl}
 
     def get_config(self):
-        return {"image_size": list(self.image_size), "latent": self.latent, "hidden": self.hidden,
-                "pixel_sigma": self.pixel_sigma, "seed": self.seed, "name": self.name}
+        return {**super().get_config(),  # name, trainable, dtype
+                "image_size": list(self.image_size), "latent": self.latent, "hidden": self.hidden,
+                "pixel_sigma": self.pixel_sigma, "seed": self.seed}

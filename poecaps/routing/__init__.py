@@ -40,14 +40,21 @@ def names():
     return sorted(_REGISTRY)
 
 
-def get(identifier, **kwargs):
-    """Return a routing layer from a name, a serialized config or an instance."""
+def get(identifier, dtype=None, **kwargs):
+    """Return a routing layer from a name, a serialized config or an instance.
+
+    `dtype` (a layer's `dtype_policy`, as Keras layers hand theirs to the
+    layers they make) is the policy of a router made from a name, or from a
+    config that records none; an instance keeps its own.
+    """
     if isinstance(identifier, Routing):
         return identifier
     if isinstance(identifier, dict):
+        if dtype is not None and "dtype" not in identifier.get("config", {}):
+            identifier = {**identifier, "config": {**identifier.get("config", {}), "dtype": dtype}}
         return keras.saving.deserialize_keras_object(identifier)
     if isinstance(identifier, str) and identifier.lower() in _REGISTRY:
-        return _REGISTRY[identifier.lower()](**kwargs)
+        return _REGISTRY[identifier.lower()](**kwargs, **({} if dtype is None else {"dtype": dtype}))
     raise InputError(
         f"Unknown routing {identifier!r}; expected one of {names()} or a Routing "
         f"instance. Received: routing={identifier!r}"

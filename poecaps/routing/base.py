@@ -44,12 +44,13 @@ class Routing(distribute.FullPrecision, keras.layers.Layer):
     (sum_j c_ij = 1) or "children" (sum_i c_ij = 1); routing statistics
     (entropy) take that axis.
 
-    Under a mixed-precision global policy (float16 or bfloat16 compute) a
-    router's dtype policy is float32 unless `dtype` is given: its weights
-    are neither stored nor read in low precision, and the votes that a
-    capsule layer computed in low precision are cast to float32 on the way
-    in (`poecaps.distribute.FullPrecision`). Under any other policy it
-    follows the global one (float64 routes in float64).
+    Under a mixed-precision policy (float16 or bfloat16 compute; the global
+    one, or a `dtype` given to the router or to the capsule layer that makes
+    it) a router's dtype policy is float32: its weights are neither stored
+    nor read in low precision, and the votes that a capsule layer computed
+    in low precision are cast to float32 on the way in
+    (`poecaps.distribute.FullPrecision`). Under any other policy it follows
+    the one given, else the global one (float64 routes in float64).
     """
 
     normalizes = "parents"

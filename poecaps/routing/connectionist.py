@@ -10,7 +10,7 @@ from poecaps.validation import check_integer
 
 def _mlp(hidden, name, seed, dtype):
     """ReLU layers of sizes `hidden`, then one linear output unit, in the router's `dtype`: float32 under a
-    mixed global policy, as the routing around them is (the policy would make them compute in float16)."""
+    mixed policy, as the routing around them is (the policy would make them compute in float16)."""
     init = lambda k: keras.initializers.GlorotUniform(seed=None if seed is None else seed + k)
     layers = [keras.layers.Dense(units, activation="relu", kernel_initializer=init(k), name=f"{name}_{k}",
                                  dtype=dtype)

@@ -69,7 +69,7 @@ class SparseInferenceRouting(Routing):
         num_in, num_out = votes.shape[1], votes.shape[2]
         c0 = 1.0 / (num_out if self.normalize == "parents" else num_in)
         weighted = votes if activations is None else votes * ops.cast(activations, votes.dtype)[:, :, None, None]
-        return squash(c0 * ops.sum(weighted, axis=1)), ops.full(ops.shape(votes)[:3], c0)
+        return squash(c0 * ops.sum(weighted, axis=1)), ops.full(ops.shape(votes)[:3], c0, dtype=votes.dtype)
 
     def infer(self, votes, activations=None, targets=None, label_weight=1.0):
         """`(v [B, J, D], energies [iterations + 1, B])`; `targets` `[B, J]` (e.g. one-hot) clamp the lengths."""

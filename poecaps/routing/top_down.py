@@ -23,8 +23,8 @@ class TopDownAttention(distribute.FullPrecision, keras.layers.Layer):
     parent whose prediction is both aligned and long, and over rounds the
     child can drift to it; `beta` sets how sharply a child commits.
 
-    Like every router, it attends in float32 under a mixed-precision global
-    policy unless given a `dtype` (`poecaps.distribute.FullPrecision`).
+    Like every router, it attends in float32 under a mixed-precision policy,
+    global or given (`poecaps.distribute.FullPrecision`).
 
     Args:
         iterations: rounds k (>= 1).
