@@ -62,8 +62,9 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
 
     def sample_hidden(self, v):
         p = self.p_on(v)
-        noise = distribute.per_example_draw(keras.random.uniform, ops.shape(p), self.seed_generator)
-        return ops.cast(ops.cast(noise, p.dtype) < p, p.dtype)
+        uniform = lambda shape, seed: keras.random.uniform(shape, dtype=p.dtype, seed=seed)
+        noise = distribute.per_example_draw(uniform, ops.shape(p), self.seed_generator)
+        return ops.cast(noise < p, p.dtype)
 
     def gibbs(self, v, steps=1):
         for _ in range(steps):

@@ -17,30 +17,31 @@ TRAINER_NAMES = ["supervised", "cd", "decoder", "rbm", "autoencoder", "generativ
 
 def each_trainer(dtype="float32"):
     """`[(name, make, x, y)]`: each trainer's name, a function that makes it with a small model (under the
-    dtype policy in force when it is called), and a batch of its data in `dtype` (`y` None if it takes none)."""
+    dtype policy in force when it is called; `make(**kwargs)` hands the model keyword arguments, such as a
+    `dtype`), and a batch of its data in `dtype` (`y` None if it takes none)."""
     rng = np.random.default_rng(0)
     images = rng.uniform(size=(8, 12, 12, 1)).astype(dtype)
     upper = rng.uniform(-0.5, 0.5, size=(8, 5, 4)).astype(dtype)
     lower = rng.uniform(-0.5, 0.5, size=(8, 3, 2)).astype(dtype)
 
-    def experts():
-        layer = CapsuleExperts(3, 2)
+    def experts(**kwargs):
+        layer = CapsuleExperts(3, 2, **kwargs)
         layer.build((None, 5, 4))
         return layer
 
     found = [
-        ("supervised", lambda: SupervisedTrainer(CapsNet((12, 12, 1), 3, conv_filters=4, primary_types=2,
-                                                         primary_dim=4, class_dim=4, kernel_size=3)),
+        ("supervised", lambda **k: SupervisedTrainer(CapsNet((12, 12, 1), 3, conv_filters=4, primary_types=2,
+                                                             primary_dim=4, class_dim=4, kernel_size=3, **k)),
          images, np.arange(8) % 3),
-        ("cd", lambda: CDTrainer(experts()), upper, None),
-        ("decoder", lambda: DecoderTrainer(experts(), "delta"), upper, lower),
-        ("rbm", lambda: CDTrainer(BernoulliRBM(3, seed=0)), images.reshape(8, -1), None),
-        ("autoencoder", lambda: AutoencoderTrainer(ConvAutoencoder(filters=4, kernel_size=3, dropout=0.0, seed=0)),
-         images, None),
-        ("generative", lambda: GenerativeCapsuleTrainer(GenerativeCapsules(2, 3, 4, seed=0), iterations=2),
+        ("cd", lambda **k: CDTrainer(experts(**k)), upper, None),
+        ("decoder", lambda **k: DecoderTrainer(experts(**k), "delta"), upper, lower),
+        ("rbm", lambda **k: CDTrainer(BernoulliRBM(3, seed=0, **k)), images.reshape(8, -1), None),
+        ("autoencoder", lambda **k: AutoencoderTrainer(ConvAutoencoder(filters=4, kernel_size=3, dropout=0.0, seed=0,
+                                                                       **k)), images, None),
+        ("generative", lambda **k: GenerativeCapsuleTrainer(GenerativeCapsules(2, 3, 4, seed=0, **k), iterations=2),
          upper, None),
-        ("variational", lambda: VariationalTrainer(VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5,
-                                                                          seed=0), seed=0), images, None),
+        ("variational", lambda **k: VariationalTrainer(VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5,
+                                                                              seed=0, **k), seed=0), images, None),
     ]
     assert [name for name, *_ in found] == TRAINER_NAMES
     return found

@@ -240,10 +240,11 @@ def test_likelihoods_and_bounds_are_float32_under_a_mixed_policy(policy):
     their networks' low-precision outputs, and the capsule model trains. Before, the capsule model could not be
     built (its encoders' low-precision poses met its float32 templates) and the VAE's terms failed as above.
 
-    Their float32 weights are read unrounded inside the low-precision calls around them: the trainer's EM on
-    the children it rounded, and the capsule model's reconstructions, equal EM and rendering run outside any
-    call, to float32 rounding (1e-5 here; the same operations on the same values). Weights rounded to the low
-    precision (2e-3 of their size in bfloat16, 5e-4 in float16) move them by 1e-4 or more."""
+    Their float32 weights are read unrounded inside the low-precision calls around them: the trainer's EM (the
+    trainer takes its layer's float32 policy, so Keras hands it the children unrounded), and the capsule
+    model's reconstructions, equal EM and rendering run outside any call, to float32 rounding (1e-5 here; the
+    same operations on the same values). Weights rounded to the low precision (2e-3 of their size in bfloat16,
+    5e-4 in float16) move them by 1e-4 or more."""
     from poecaps.models import (
         GenerativeCapsules,
         ProbabilisticCapsuleAutoencoder,
@@ -259,7 +260,7 @@ def test_likelihoods_and_bounds_are_float32_under_a_mixed_policy(policy):
     with distribute.precision_policy(policy):
         low = keras.config.dtype_policy().compute_dtype
         em = GenerativeCapsules(2, 3, 4, seed=0)
-        inferred = GenerativeCapsuleTrainer(em, iterations=3)(children)          # Keras rounds the children
+        inferred = GenerativeCapsuleTrainer(em, iterations=3)(children)
         vae = VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5, seed=0)
         model = ProbabilisticCapsuleAutoencoder(
             ProbabilisticCapsules(image_size=(12, 12), num_top=3, num_parts=4, template_size=5, seed=1),
@@ -279,7 +280,7 @@ def test_likelihoods_and_bounds_are_float32_under_a_mixed_policy(policy):
     for what, values in found.items():
         assert _dtypes(values) == {"float32"}, what
     assert all(np.isfinite(values).all() for values in history.values())
-    direct = em.infer(ops.cast(ops.cast(children, low), "float32"), iterations=3)
+    direct = em.infer(ops.convert_to_tensor(children), iterations=3)
     for got, want in zip(inferred, direct):
         np.testing.assert_allclose(ops.convert_to_numpy(got), ops.convert_to_numpy(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ops.convert_to_numpy(called["reconstructions"]), ops.convert_to_numpy(rendered),

@@ -21,7 +21,7 @@ class AutoencoderTrainer(Trainer):
     """
 
     def __init__(self, autoencoder, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{"dtype": autoencoder.dtype_policy, **kwargs})
         self.autoencoder = autoencoder
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.mse_tracker = keras.metrics.Mean(name="mse")
@@ -53,7 +53,7 @@ class AutoencoderTrainer(Trainer):
     def train_step(self, data):
         import tensorflow as tf
 
-        images, _ = unpack(data, self)
+        images, _ = unpack(data, self, self.data_dtype)
         with tf.GradientTape() as tape:
             loss, mse = self._reconstruction_losses(images, training=True)
             scaled = distribute.replica_loss(self.optimizer, self.regularized(loss))
@@ -62,5 +62,5 @@ class AutoencoderTrainer(Trainer):
         return self._report(loss, mse)
 
     def test_step(self, data):
-        images, _ = unpack(data, self)
+        images, _ = unpack(data, self, self.data_dtype)
         return self._report(*self._reconstruction_losses(images, training=False))

@@ -5,6 +5,7 @@ import inspect
 import keras
 from keras import ops
 
+from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.trainers.batch import weighted
 
@@ -36,9 +37,20 @@ class Trainer(keras.Model):
     `targets` names what a batch's y holds for a trainer that learns from
     `(x, y)` pairs, and is None for one that learns from x alone
     (`poecaps.trainers.batch.unpack` holds each to it).
+
+    A trainer takes its model's dtype policy (unless given a `dtype`), so
+    that a call (`predict`) hands the model its inputs in the model's
+    precision, and its steps cast a batch's floating-point values to
+    `data_dtype`: data of any float dtype trains a model of any precision.
     """
 
     targets = None
+
+    @property
+    def data_dtype(self):
+        """The dtype of a batch's floating-point values in the steps: float64 under a float64 policy, else
+        float32 (a mixed policy's objectives are float32)."""
+        return distribute.full_precision_dtype(self)
 
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None, metrics=None, weighted_metrics=None,
                 **kwargs):

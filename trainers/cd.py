@@ -10,7 +10,7 @@ from poecaps.errors import InputError
 from poecaps.experts import DECODER_RULES, check_sparsity
 from poecaps.graphs import graph
 from poecaps.trainers.base import Trainer
-from poecaps.trainers.batch import unpack
+from poecaps.trainers.batch import to_dtype, unpack
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
 from poecaps.validation import (
@@ -138,7 +138,7 @@ class CDTrainer(Trainer):
     def __init__(self, model, preprocess=None, steps=1, persistent=False, chain_shape=None,
                  l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, shards=1,
                  population_sparsity_cost=0.0, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{"dtype": model.dtype_policy, **kwargs})
         steps, shards = check_integers(steps=steps, shards=shards)
         if shards > 1 and getattr(model, "draws_random_numbers", False):
             raise InputError(f"{type(model).__name__} draws random numbers from one seed generator, which "
@@ -208,9 +208,10 @@ class CDTrainer(Trainer):
         return self.energy_model(self.preprocess(images))
 
     def _batch(self, data):
-        """`(visible units, targets or None)` of a batch: its images through the frozen `preprocess`."""
+        """`(visible units, targets or None)` of a batch: its images through the frozen `preprocess`, both in
+        `data_dtype`."""
         images, targets = unpack(data, self)
-        return ops.stop_gradient(self.preprocess(images)), targets
+        return to_dtype(ops.stop_gradient(self.preprocess(images)), self.data_dtype), to_dtype(targets, self.data_dtype)
 
     def _update_metrics(self, x, stats):
         error = ops.mean(ops.square(ops.reshape(x - stats["reconstruction"], (ops.shape(x)[0], -1))))

@@ -48,7 +48,7 @@ class GenerativeCapsuleTrainer(Trainer):
     """
 
     def __init__(self, layer, iterations=10, child_weights="uniform", **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{"dtype": layer.dtype_policy, **kwargs})
         self.layer = layer
         self.iterations = check_integer(iterations, "iterations")
         self.child_weights = check_child_weights(child_weights)
@@ -73,7 +73,7 @@ class GenerativeCapsuleTrainer(Trainer):
         return per_child, entropy
 
     def train_step(self, data):
-        children, _ = unpack(data, self)
+        children, _ = unpack(data, self, self.data_dtype)
         a = child_activations(children, self.child_weights)
         found = self.layer.infer(children, a, iterations=self.iterations)
         v, r = tf.stop_gradient(found.poses), tf.stop_gradient(found.coefficients)
@@ -87,7 +87,7 @@ class GenerativeCapsuleTrainer(Trainer):
         return {m.name: m.result() for m in self.metrics}
 
     def test_step(self, data):
-        children, _ = unpack(data, self)
+        children, _ = unpack(data, self, self.data_dtype)
         a = child_activations(children, self.child_weights)
         found = self.layer.infer(children, a, iterations=self.iterations)
         per_child, entropy = self._statistics(children, a, found.poses, found.coefficients)

@@ -40,7 +40,7 @@ class SupervisedTrainer(Trainer):
     targets = "class labels"
 
     def __init__(self, network, max_shift=0, seed=0, shards=1, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{"dtype": network.dtype_policy, **kwargs})
         shards = check_integer(shards, "shards")
         max_shift = check_integer(max_shift, "max_shift", minimum=0)
         self.network = network
@@ -74,7 +74,7 @@ class SupervisedTrainer(Trainer):
         return None if self.optimizer is None else self.optimizer.iterations
 
     def train_step(self, data):
-        images, labels = unpack(data, self)
+        images, labels = unpack(data, self, self.data_dtype)
         # Shifted here, outside the shards, which would otherwise share the seed generator.
         if self.max_shift:
             images = transforms.random_shift(images, self.max_shift, seed=self.seed_generator)
@@ -111,7 +111,7 @@ class SupervisedTrainer(Trainer):
         return grads, loss, scores, terms
 
     def test_step(self, data):
-        images, labels = unpack(data, self)
+        images, labels = unpack(data, self, self.data_dtype)
         loss, scores, terms = self.network.loss_terms(images, labels, training=False)
         return self._update_metrics(loss, labels, scores, terms)
 

@@ -36,7 +36,7 @@ class VariationalTrainer(Trainer):
     """
 
     def __init__(self, model, seed=0, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(**{"dtype": model.dtype_policy, **kwargs})
         self.model = model
         self.seed = int(seed)
         self.terms = tuple(model.TERMS)
@@ -58,7 +58,7 @@ class VariationalTrainer(Trainer):
         return {name: m.result() for name, m in self.trackers.items()}
 
     def train_step(self, data):
-        images, _ = unpack(data, self)
+        images, _ = unpack(data, self, self.data_dtype)
         seed = tf.stack([tf.constant(self.seed, tf.int64), self.draws])
         self.draws.assign_add(1)
         pixels = float(images.shape[1] * images.shape[2])
@@ -71,5 +71,5 @@ class VariationalTrainer(Trainer):
         return self._update(images, terms)
 
     def test_step(self, data):
-        images, _ = unpack(data, self)
+        images, _ = unpack(data, self, self.data_dtype)
         return self._update(images, self.model.bound(images, seed=tf.constant([self.seed, -1], tf.int64)))

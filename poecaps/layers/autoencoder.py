@@ -82,7 +82,9 @@ class ConvAutoencoder(keras.layers.Layer):
         # strategy splits the batch (poecaps.distribute.per_example_draw).
         if not training or self.dropout == 0:
             return x
-        noise = distribute.per_example_draw(keras.random.uniform, ops.shape(x), self.seed_generator)
+        # Drawn in float32, or float64 for a float64 layer, whatever `floatx` says.
+        uniform = lambda shape, seed: keras.random.uniform(shape, dtype=distribute.full_precision_dtype(x), seed=seed)
+        noise = distribute.per_example_draw(uniform, ops.shape(x), self.seed_generator)
         return ops.where(noise >= self.dropout, x / (1.0 - self.dropout), ops.zeros_like(x))
 
     def decode(self, code):
