@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from poecaps.errors import InputError
-from poecaps.validation import check_number
+from poecaps.validation import check_number, check_seed
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -22,7 +22,7 @@ class NearIdentity(keras.initializers.Initializer):
 
     def __init__(self, noise=0.1, seed=None):
         self.noise = check_number(noise, "noise", minimum=0)
-        self.seed = seed
+        self.seed = check_seed(seed, allow_none=True)
 
     def __call__(self, shape, dtype=None):
         if len(shape) < 2:

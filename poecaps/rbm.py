@@ -5,7 +5,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.experts import EnergyModel
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_seed
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -36,7 +36,7 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
     def __init__(self, num_hidden, seed=None, **kwargs):
         super().__init__(**kwargs)
         self.num_hidden = check_integer(num_hidden, "num_hidden")
-        self.seed = seed
+        self.seed = seed = check_seed(seed, allow_none=True)
         self.seed_generator = keras.random.SeedGenerator(seed)
 
     def build(self, input_shape):

@@ -24,6 +24,13 @@ def check_integer(value, name, minimum=1, allow_none=False):
     return int(value)
 
 
+def check_seed(value, name="seed", allow_none=False):
+    """Return `value` as a Python `int` if it is a seed, an integer >= 0 (as the programs' `--seed`); else raise
+    `InputError`. With `allow_none`, None (unseeded: Keras' global random state) passes through. Floats, bools
+    and strings are refused, where `int(seed)` would truncate 1.5 to 1 or read True as 1."""
+    return check_integer(value, name, minimum=0, allow_none=allow_none)
+
+
 def check_flag(value, name):
     """Return `value` as a Python `bool` if it is True or False (NumPy's bools too); else raise `InputError`.
 

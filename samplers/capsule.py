@@ -5,7 +5,7 @@ from keras import ops
 
 from poecaps.capsules import squash
 from poecaps.errors import InputError
-from poecaps.validation import check_choice, check_integer
+from poecaps.validation import check_choice, check_integer, check_seed
 
 # Each domain's half of capsule space: the pipeline array that picks it (None: the whole space).
 DOMAINS = {"full": None, "restricted": "mean_directions", "winning": "winning_axes"}
@@ -39,7 +39,7 @@ class CapsuleSampler:
 
     def __init__(self, pipeline, seed=0):
         self.pipeline = pipeline
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def sample(self, rows=4, domain="full", batch_size=64):
         rows = check_integer(rows, "rows")

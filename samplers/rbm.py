@@ -3,6 +3,8 @@
 import numpy as np
 from keras import ops
 
+from poecaps.validation import check_seed
+
 
 class RBMSampler:
     """One column per hidden unit: turn unit j on, the others off, and sample.
@@ -20,7 +22,7 @@ class RBMSampler:
     def __init__(self, rbm, image_shape, seed=0):
         self.rbm = rbm
         self.image_shape = tuple(image_shape)
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def sample(self, rows=4, restricted=False):
         rng = np.random.default_rng(self.seed)

@@ -55,10 +55,13 @@ from poecaps.routing import (
     SparseInferenceRouting,
     TopDownAttention,
 )
+from poecaps.samplers import CapsuleSampler, RBMSampler
+from poecaps.trainers.autoencoder import AutoencoderTrainer
 from poecaps.trainers.cd import CDTrainer, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.supervised import SupervisedTrainer
+from poecaps.trainers.variational import VariationalTrainer
 from poecaps.validation import check_choice, check_flag, check_integer, check_number
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -259,6 +262,65 @@ def test_sizes_refuse_bools_and_store_numpy_integers_as_int(make, name):
     config = make(np.int64(3)).get_config()
     assert config[name] == 3 and type(config[name]) is int
     json.dumps(config, default=lambda value: pytest.fail(f"{name}: not JSON-serialisable: {value!r}"))
+
+
+# Every seed a model, layer, router, initializer, trainer or sampling method takes: (make(seed), whether None, unseeded, is allowed).
+# Those that derive their layers' seeds from it (seed + k) need a number.
+_IMAGES = np.zeros((8, 12, 12, 1), "float32")
+SEEDS = [
+    (lambda s: CapsNet((28, 28, 1), 10, conv_filters=4, primary_types=2, seed=s), True),
+    (lambda s: RoutingCapsNet((28, 28, 1), 3, routing="dynamic", filters=4, primary_types=2, conv_types=2, seed=s),
+     False),
+    (lambda s: VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5, seed=s), False),
+    (lambda s: ProbabilisticCapsules(image_size=(12, 12), num_top=2, num_parts=2, template_size=5, seed=s), False),
+    (lambda s: ProbabilisticCapsuleAutoencoder(
+        ProbabilisticCapsules(image_size=(12, 12), num_top=2, num_parts=2, template_size=5), channels=4, hidden=8,
+        encoding=4, blocks=1, inducing=2, heads=2, seed=s), False),
+    (lambda s: GenerativeCapsules(2, 3, 4, seed=s), True),
+    (lambda s: ConvAutoencoder(filters=4, seed=s), True),
+    (lambda s: BernoulliRBM(3, seed=s), True),
+    (lambda s: ConnectionistRouting(seed=s), True),
+    (lambda s: SimilarityRouting(seed=s), True),
+    (lambda s: NearIdentity(seed=s), True),
+    (lambda s: CDTrainer(BernoulliRBM(3), seed=s), True),
+    (lambda s: SupervisedTrainer(CapsNet((28, 28, 1), 10, conv_filters=4, primary_types=2), seed=s), True),
+    (lambda s: VariationalTrainer(VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5), seed=s), False),
+    (lambda s: fit_resumable(_compiled_autoencoder(), _IMAGES, epochs=1, batch_size=4, seed=s, verbose=0), False),
+    (lambda s: _capsule_model().generative.generate(2, seed=s), False),
+    (lambda s: RBMSampler(BernoulliRBM(3), (2, 2, 1), seed=s), False),
+    (lambda s: CapsuleSampler(None, seed=s), False),
+    (lambda s: _capsule_model().refine(_IMAGES[:2], steps=1, seed=s), False),
+    (lambda s: _capsule_model().mean_bound(_IMAGES[:2], _capsule_model().variational_parameters(_IMAGES[:2]),
+                                           draws=1, seed=s), False),
+]
+
+
+def _capsule_model():
+    return ProbabilisticCapsuleAutoencoder(
+        ProbabilisticCapsules(image_size=(12, 12), num_top=2, num_parts=2, template_size=5), channels=4, hidden=8,
+        encoding=4, blocks=1, inducing=2, heads=2)
+
+
+def _compiled_autoencoder():
+    trainer = AutoencoderTrainer(ConvAutoencoder(filters=4, kernel_size=3, seed=0))
+    trainer.compile(optimizer="sgd")
+    return trainer
+
+
+@pytest.mark.parametrize("make, unseeded", SEEDS)
+def test_seeds_are_integers_at_least_zero(make, unseeded):
+    """A seed is an integer >= 0, as the programs' `--seed` is. Before, 1.5 was truncated to 1 or refused by
+    Keras or NumPy in their own words, True read as 1, -1 failed in NumPy's batch order (`fit_resumable`) or
+    passed, and None failed in arithmetic (`seed + k`) where it was not a choice."""
+    for bad in (1.5, True, -1, "3"):
+        with pytest.raises(InputError, match=rf"seed must be an integer >= 0(, or None)?\. Received: seed={bad!r}"):
+            make(bad)
+    make(np.int64(2))
+    if unseeded:
+        make(None)
+    else:
+        with pytest.raises(InputError, match=r"seed must be an integer >= 0\. Received: seed=None"):
+            make(None)
 
 
 def test_check_number_returns_a_float_and_refuses_the_rest_by_name_and_range():

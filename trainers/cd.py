@@ -20,6 +20,7 @@ from poecaps.validation import (
     check_integer,
     check_integers,
     check_number,
+    check_seed,
     sizes_fit,
 )
 
@@ -166,6 +167,7 @@ class CDTrainer(Trainer):
         self.l2 = l2
         self.shards = shards
         self._shard_step = graph(self._one_shard, jit_compile=True) if shards > 1 else None
+        seed = check_seed(seed, allow_none=True)
         self.seed_generator = keras.random.SeedGenerator(seed)
         self.chain = None
         if persistent:

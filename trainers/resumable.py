@@ -25,7 +25,7 @@ from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import check_batch
 from poecaps.trainers.checkpoints import CheckpointManager
 from poecaps.trainers.guard import NonFiniteGuard
-from poecaps.validation import check_choice, check_integer, check_integers
+from poecaps.validation import check_choice, check_integer, check_integers, check_seed
 
 
 def epoch_order(seed, epoch, size):
@@ -224,6 +224,7 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         live = getattr(sys.stdout, "isatty", lambda: False)() or "ipykernel" in sys.modules
         verbose = 1 if live or "PYCHARM_HOSTED" in os.environ else 2
     epochs, batch_size = check_integers(epochs=epochs, batch_size=batch_size)
+    seed = check_seed(seed)
     save_every = check_integer(save_every, "save_every", minimum=0)
     x, y = as_examples(x, "x"), as_examples(y, "y")
     arrays = (x,) if y is None else (x, y)

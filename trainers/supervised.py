@@ -9,7 +9,7 @@ from poecaps.graphs import graph
 from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 from poecaps.trainers.shards import batch_size, nonempty, shard_bounds, size_weighted_mean
-from poecaps.validation import check_images, check_integer, check_labels
+from poecaps.validation import check_images, check_integer, check_labels, check_seed
 
 
 class SupervisedTrainer(Trainer):
@@ -45,7 +45,7 @@ class SupervisedTrainer(Trainer):
         max_shift = check_integer(max_shift, "max_shift", minimum=0)
         self.network = network
         self.max_shift = max_shift
-        self.seed = seed
+        self.seed = seed = check_seed(seed, allow_none=True)
         self.shards = shards
         self._shard_gradients = graph(self._gradients, jit_compile=True) if shards > 1 else None
         self.seed_generator = keras.random.SeedGenerator(seed)

@@ -6,6 +6,7 @@ import tensorflow as tf
 from poecaps import distribute
 from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
+from poecaps.validation import check_seed
 
 
 class VariationalTrainer(Trainer):
@@ -38,7 +39,7 @@ class VariationalTrainer(Trainer):
     def __init__(self, model, seed=0, **kwargs):
         super().__init__(**{"dtype": model.dtype_policy, **kwargs})
         self.model = model
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.terms = tuple(model.TERMS)
         self.trackers = {name: keras.metrics.Mean(name=name) for name in (*self.terms, "mse")}
         self.draws = tf.Variable(0, dtype=tf.int64, trainable=False, name="draws")

@@ -5,7 +5,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.validation import check_integers, check_number
+from poecaps.validation import check_integers, check_number, check_seed
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -42,7 +42,7 @@ class ConvAutoencoder(keras.layers.Layer):
         self.strides = strides
         self.dropout = check_number(dropout, "dropout", minimum=0, below=1)
         self.negative_slope = negative_slope
-        self.seed = seed
+        self.seed = seed = check_seed(seed, allow_none=True)
         self.seed_generator = keras.random.SeedGenerator(seed)
 
     def build(self, input_shape):

@@ -9,7 +9,7 @@ from poecaps import losses
 from poecaps.errors import InputError
 from poecaps.layers import CapsuleDense, PrimaryCapsules
 from poecaps.routing import DynamicRouting
-from poecaps.validation import check_flag, check_integer, check_integers
+from poecaps.validation import check_flag, check_integer, check_integers, check_seed
 
 
 def check_classifier_arguments(image_shape, num_classes, convolutions=()):
@@ -84,7 +84,7 @@ class CapsNet(keras.Model):
         self.primary_dim = primary_dim
         self.class_dim = class_dim
         self.kernel_size = kernel_size
-        self.seed = seed
+        self.seed = seed = check_seed(seed, allow_none=True)
         dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on
         self.conv1 = keras.layers.Conv2D(conv_filters, kernel_size, activation="relu", name="conv1", dtype=dtype)
         self.primary_conv = keras.layers.Conv2D(primary_types * primary_dim, kernel_size,

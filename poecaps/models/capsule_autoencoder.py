@@ -158,6 +158,7 @@ from poecaps.validation import (
     check_image_batch,
     check_integer,
     check_number,
+    check_seed,
 )
 
 
@@ -255,6 +256,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                  detach_parts=False, equivariant_top=False, anchored_parts=False, localisation=0.0, seed=0,
                  **kwargs):
         super().__init__(**kwargs)
+        seed = check_seed(seed)
         self.specialisation = check_number(specialisation, "specialisation", minimum=0)
         self.within_sparsity = check_number(within_sparsity, "within_sparsity", minimum=0)
         self.between_sparsity = check_number(between_sparsity, "between_sparsity", minimum=0)
@@ -437,7 +439,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         The draws are a pure function of `seed`: two parameter sets compared
         at one seed see the same noise (common random numbers).
         """
-        seeds = tf.random.experimental.stateless_split(tf.constant([int(seed), 1], tf.int64), draws)
+        seeds = tf.random.experimental.stateless_split(tf.constant([check_seed(seed), 1], tf.int64), draws)
         total = 0.0
         for d in range(draws):
             total += self.bound_terms(images, **parameters, seed=seeds[d])["bound"]
@@ -473,7 +475,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         start = self.variational_parameters(images) if parameters is None else parameters
         names = ["part_logits", "part_pose"] if parts_only else sorted(start)
         found = dict(zip(names, _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names,
-                                        steps, learning_rate, int(seed), optimizer)))
+                                        steps, learning_rate, check_seed(seed), optimizer)))
         if parts_only:
             found["top_logits"], found["top_pose"] = self.encode_top(tf.sigmoid(found["part_logits"]),
                                                                      found["part_pose"])

@@ -11,7 +11,7 @@ import tensorflow as tf
 from poecaps import distribute, vmf
 from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integer, check_number
+from poecaps.validation import check_integer, check_number, check_seed
 
 _TINY = 1e-9
 
@@ -84,7 +84,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         self.pose_steps = pose_steps
         self.kappa = check_number(kappa, "kappa", above=0)
         self.sigma = check_number(sigma, "sigma", above=0)
-        self.seed = seed
+        self.seed = check_seed(seed, allow_none=True)
 
     def build(self, children_shape, activations_shape=None):
         num_in = children_shape[1]

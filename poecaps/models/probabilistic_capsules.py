@@ -62,7 +62,7 @@ import tensorflow as tf
 from poecaps import compositing, concrete, distribute
 from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integers, check_number
+from poecaps.validation import check_integers, check_number, check_seed
 
 _IDENTITY = compositing.IDENTITY
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -93,7 +93,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
         self.part_scale, self.sigma = positive(part_scale, "part_scale"), positive(sigma, "sigma")
         self.lambda_off, self.rho_dummy = positive(lambda_off, "lambda_off"), positive(rho_dummy, "rho_dummy")
         self.c_dummy, self.c_min = positive(c_dummy, "c_dummy"), positive(c_min, "c_min")
-        self.temperature, self.seed = positive(temperature, "temperature"), int(seed)
+        self.temperature, self.seed = positive(temperature, "temperature"), check_seed(seed)
         self.build()
 
     def build(self, input_shape=None):
@@ -218,7 +218,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
         Keys: `top_presence [B, K]` and `part_presence [B, N]` in {0, 1},
         `top_pose`, `part_pose` (the `A`s), `parents [B, N]` (0 the dummy).
         """
-        seeds = tf.random.experimental.stateless_split(tf.constant([self.seed, int(seed)], tf.int64), 7)
+        seeds = tf.random.experimental.stateless_split(tf.constant([self.seed, check_seed(seed)], tf.int64), 7)
         k, n, dtype = self.num_top, self.num_parts, self.top_logits.dtype
         top_presence = tf.cast(tf.random.stateless_uniform([batch_size, k], seeds[0], dtype=dtype)
                                < tf.sigmoid(self.top_logits), dtype)

@@ -11,7 +11,7 @@ from poecaps.errors import InputError
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
-from poecaps.validation import check_choice, check_integer, check_integers, check_number
+from poecaps.validation import check_choice, check_integer, check_integers, check_number, check_seed
 
 LOSSES = ("cross_entropy", "scaled_cross_entropy", "spread", "margin")
 # the unpadded convolutions (kernel, stride), bottom up: conv1, primary capsules, ConvCaps1, ConvCaps2
@@ -144,7 +144,7 @@ class RoutingCapsNet(keras.Model):
         self.margin_steps = margin_steps
         self.filters, self.primary_types, self.conv_types = filters, primary_types, conv_types
         self.chunk_capsules = chunk_capsules
-        self.seed = seed
+        self.seed = seed = check_seed(seed)
         chunk = lambda types: None if chunk_capsules is None else max(1, chunk_capsules // (9 * types))
         if isinstance(routing, str):
             routers = layer_routers(routing, routing_iterations, seed, dtype=self.dtype_policy)

@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from poecaps import distribute
-from poecaps.validation import check_image_batch, check_integers, check_number
+from poecaps.validation import check_image_batch, check_integers, check_number, check_seed
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -46,7 +46,8 @@ class VariationalAutoencoder(keras.Model):
         self.image_size = tuple(int(s) for s in image_size)
         latent, hidden = check_integers(latent=latent, hidden=hidden)
         pixel_sigma = check_number(pixel_sigma, "pixel_sigma", above=0)
-        self.latent, self.hidden, self.pixel_sigma, self.seed = latent, hidden, pixel_sigma, int(seed)
+        seed = check_seed(seed)
+        self.latent, self.hidden, self.pixel_sigma, self.seed = latent, hidden, pixel_sigma, seed
         init = lambda i: keras.initializers.GlorotUniform(seed=seed + i)
         pixels = self.image_size[0] * self.image_size[1]
         dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on

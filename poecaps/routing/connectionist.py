@@ -5,7 +5,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.routing.base import Routing, RoutingResult
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_seed
 
 
 def _mlp(hidden, name, seed, dtype):
@@ -91,7 +91,7 @@ class ConnectionistRouting(Routing):
         self.units = check_integer(units, "units")
         self.compatibility_hidden = _check_hidden("compatibility_hidden", compatibility_hidden)
         self.activation_hidden = _check_hidden("activation_hidden", activation_hidden)
-        self.seed = seed
+        self.seed = seed = check_seed(seed, allow_none=True)
         offset = lambda k: None if seed is None else seed + k
         self.compatibility_layers = _mlp(self.compatibility_hidden, "compatibility", offset(10), self.dtype_policy)
         self.activation_layers = _mlp(self.activation_hidden, "activation", offset(20), self.dtype_policy)

@@ -9,7 +9,7 @@ from keras import ops
 from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.routing.base import Routing, RoutingResult
-from poecaps.validation import check_integer, check_number
+from poecaps.validation import check_integer, check_number, check_seed
 
 # Frobenius-normalised votes have |V| <= 1, so vote-to-pose distances are of order 1: the
 # default length scales spread around this distance (spec: {0.25, 0.5, 1, 2} times it).
@@ -135,7 +135,7 @@ class SimilarityRouting(Routing):
         self.activation_bias = check_number(activation_bias, "activation_bias")
         self.divergence_weight = (None if divergence_weight is None
                                   else check_number(divergence_weight, "divergence_weight"))
-        self.seed = seed
+        self.seed = check_seed(seed, allow_none=True)
 
     def build(self, votes_shape, activations_shape=None):
         num_out = votes_shape[2]
