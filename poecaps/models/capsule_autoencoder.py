@@ -271,7 +271,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
             generative = keras.saving.deserialize_keras_object(generative)
         if not isinstance(generative, ProbabilisticCapsules):
             raise InputError(f"generative must be a ProbabilisticCapsules or its config. Received: {generative!r}")
-        full = "float64" if self.compute_dtype == "float64" else "float32"
+        full = distribute.full_precision_dtype(self)
         if generative.compute_dtype != full:
             raise InputError(
                 f"generative computes in {generative.compute_dtype}, but this model's likelihoods are computed in "

@@ -36,11 +36,12 @@ def frobenius_unit(poses):
     return poses / ops.sqrt(ops.sum(ops.square(poses), axis=-1, keepdims=True) + 1e-7)
 
 
-def layer_routers(routing, iterations=3, seed=0, **options):
+def layer_routers(routing, iterations=3, seed=0, dtype=None, **options):
     """The three routers of the network (ConvCaps1, ConvCaps2, class layer) for a routing name.
 
     Learned routers get the paper's per-layer sizes (`LAYER_SETTINGS`);
-    `options` go to every router (for EM, `final_lambda`, ...). `"uniform"`
+    `options` go to every router (for EM, `final_lambda`, ...), `dtype` (the
+    network's policy) to all three. `"uniform"`
     is one round of dynamic routing whatever `iterations` says;
     `"sparse_inference"` is the uniform network with the class layer's
     parents inferred at test time (500 steps, L1 weight 1). Dynamic routing
@@ -48,15 +49,15 @@ def layer_routers(routing, iterations=3, seed=0, **options):
     """
     if routing == "sparse_inference":
         # The uniform network, whose class capsules are inferred at test time (Kiefer et al.).
-        uniform = {"agreement": "dot", **({"dtype": options["dtype"]} if "dtype" in options else {})}
-        return [routing_lib.get("uniform", **uniform), routing_lib.get("uniform", **uniform),
-                routing_lib.get("sparse_inference", **options)]
+        return [routing_lib.get("uniform", agreement="dot", dtype=dtype),
+                routing_lib.get("uniform", agreement="dot", dtype=dtype),
+                routing_lib.get("sparse_inference", dtype=dtype, **options)]
     if routing in ("uniform", "dynamic"):
         options = {"agreement": "dot", **options}
     if routing == "uniform":
-        return [routing_lib.get("uniform", **options) for _ in range(3)]
+        return [routing_lib.get("uniform", dtype=dtype, **options) for _ in range(3)]
     seeded = routing in LAYER_SETTINGS
-    return [routing_lib.get(routing, iterations=iterations, **layer, **options,
+    return [routing_lib.get(routing, iterations=iterations, dtype=dtype, **layer, **options,
                             **({"seed": seed + 100 * k} if seeded else {}))
             for k, layer in enumerate(LAYER_SETTINGS.get(routing, [{}] * 3))]
 
