@@ -229,6 +229,36 @@ def test_fit_resumable_takes_tensors_and_lists_as_arrays_and_refuses_a_dataset(n
 
 
 @pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
+def test_every_trainer_resumed_mid_epoch_from_other_state_reaches_the_uninterrupted_weights(tmp_path, name, make, x,
+                                                                                             y):
+    """Every variable a trainer's steps read is in its checkpoint: a run resumed within an epoch, whose every
+    variable (weights, seed generator states, step counters) was moved first, trains to the uninterrupted run's
+    weights. Before, the variational trainer's count of draws was not a Keras variable, so no checkpoint held
+    it: a resumed run drew its first steps' noise again."""
+    x = np.concatenate([x] * 3)
+    y = None if y is None else np.concatenate([y] * 3)
+
+    def trained(directory, epochs, resume=False, move=False):
+        keras.utils.set_random_seed(0)
+        trainer = make()
+        trainer.compile(optimizer=keras.optimizers.Adam(1e-2))
+        if move:
+            trainer(x)
+            for variable in trainer.variables:
+                variable.assign(variable + ops.cast(7 if "int" in variable.dtype else 0.5, variable.dtype))
+        fit_resumable(trainer, x, y, epochs=epochs, batch_size=4, seed=0, checkpoint_dir=str(tmp_path / directory),
+                      save_every=2, resume=resume, verbose=0)
+        return trainer
+
+    whole = trained("whole", 3)
+    trained("stopped", 2)
+    os.remove(CheckpointManager(str(tmp_path / "stopped"), keep=3).paths()[0])   # the end of epoch 2: resume within it
+    resumed = trained("stopped", 3, resume=True, move=True)
+    for a, b in zip(whole.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
 def test_fit_resumable_validates_on_a_dataset_and_checks_validation_arrays_before_training(name, make, x, y):
     """Validation data as Keras takes it: a `tf.data.Dataset` is validated on (before, `fit_resumable` unpacked
     the dataset's batches into `check_inputs`: a misleading message), and arrays that a trainer's steps would

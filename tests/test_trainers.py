@@ -535,3 +535,22 @@ def test_every_trainer_descends_the_models_weight_regularizers(name, make, x, y)
     np.testing.assert_allclose(moved[0], -learning_rate * 2 * strength * start, rtol=1e-4, atol=1e-6)
     for difference in moved[1:]:
         np.testing.assert_allclose(difference, 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
+def test_saving_a_trainer_whole_names_the_model_to_save_and_that_advice_works(tmp_path, name, make, x, y):
+    """`save` (and `ModelCheckpoint`'s default) needs a config, which a trainer holding a model and callables
+    has not: the `InputError` names the attribute holding the trained model (before, Keras' NotImplementedError
+    asked for a `get_config`). Saving that attribute as advised reloads the model's weights."""
+    trainer = make()
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-2))
+    trainer(x[:2])
+    with pytest.raises(InputError, match=r"^\w+Trainer is not saved whole: .*keras\.saving\.save_model\(trainer\."
+                                         r"(\w+), path\)") as refused:
+        trainer.save(str(tmp_path / "trainer.keras"))
+    model = getattr(trainer, re.search(r"save_model\(trainer\.(\w+)", str(refused.value)).group(1))
+    keras.saving.save_model(model, str(tmp_path / "model.keras"))
+    loaded = keras.saving.load_model(str(tmp_path / "model.keras"))
+    assert len(model.weights) > 0
+    for a, b in zip(model.get_weights(), loaded.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

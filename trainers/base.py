@@ -34,6 +34,15 @@ class Trainer(keras.Model):
     update is not a loss's gradient. The reported metrics are the model's
     objective alone.
 
+    A trainer is not saved whole (`save`, `ModelCheckpoint` of a `.keras`
+    file): it holds the model it trains and settings such as a preprocessing
+    function. `get_config` raises an `InputError` that names what to save
+    instead: the model (`keras.saving.save_model(trainer.<model>, path)`), the trainer's weights
+    (`save_weights`, `ModelCheckpoint(..., save_weights_only=True)`), or a
+    run's whole state (`poecaps.trainers.resumable.fit_resumable`'s
+    checkpoints, which also hold the seed generators' states that Keras'
+    weight files leave out).
+
     `targets` names what a batch's y holds for a trainer that learns from
     `(x, y)` pairs, and is None for one that learns from x alone
     (`poecaps.trainers.batch.unpack` holds each to it).
@@ -61,6 +70,15 @@ class Trainer(keras.Model):
                              f"compile takes no {', '.join(given)}. "
                              f"Received: {', '.join(f'{name}={value!r}' for name, value in given.items())}")
         super().compile(optimizer=optimizer, **kwargs)
+
+    def get_config(self):
+        trained = next((name for name, value in vars(self).items()
+                        if isinstance(value, keras.layers.Layer) and not name.startswith("_")), "model")
+        raise InputError(
+            f"{type(self).__name__} is not saved whole: it holds the model it trains and its training settings. "
+            f"Save that model (keras.saving.save_model(trainer.{trained}, path)), the trainer's weights (save_weights, or "
+            "ModelCheckpoint(..., save_weights_only=True)), or train with poecaps.trainers.resumable.fit_resumable, "
+            "whose checkpoints hold the whole training state.")
 
     def regularized(self, loss):
         """`loss` plus the trainer's `losses` (each cast to `loss`'s dtype)."""

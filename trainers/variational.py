@@ -42,7 +42,10 @@ class VariationalTrainer(Trainer):
         self.seed = check_seed(seed)
         self.terms = tuple(model.TERMS)
         self.trackers = {name: keras.metrics.Mean(name=name) for name in (*self.terms, "mse")}
-        self.draws = tf.Variable(0, dtype=tf.int64, trainable=False, name="draws")
+        # A Keras variable, so that checkpoints (`trainer.variables`) and `save_weights` hold it: a run resumed
+        # from one goes on with the draws it would have made. One count for all replicas, as the optimizer's.
+        self.draws = self.add_weight(shape=(), initializer="zeros", dtype="int64", trainable=False, name="draws",
+                                     aggregation="only_first_replica")
 
     @property
     def metrics(self):
@@ -60,7 +63,7 @@ class VariationalTrainer(Trainer):
 
     def train_step(self, data):
         images, _ = unpack(data, self, self.data_dtype)
-        seed = tf.stack([tf.constant(self.seed, tf.int64), self.draws])
+        seed = tf.stack([tf.constant(self.seed, tf.int64), self.draws.value])
         self.draws.assign_add(1)
         pixels = float(images.shape[1] * images.shape[2])
         with tf.GradientTape() as tape:
