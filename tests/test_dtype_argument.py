@@ -192,7 +192,7 @@ def test_a_trainer_trains_a_float64_model_as_under_a_float64_policy(name, make, 
             runs[setup] = initial, trainer.get_weights(), predicted
             assert trainer.dtype_policy.name == "float64"
     (initial, want, _), (_, got, predicted) = runs["global"], runs["argument"]
-    assert {w.dtype for w in got} == {np.dtype("float64")}
+    assert {w.dtype for w in got if w.dtype.kind != "i"} == {np.dtype("float64")}    # beside counters of draws
     assert {p.dtype for p in predicted} == {np.dtype("float64")}
     for g, w, start in zip(got, want, initial):
         moved = float(np.abs(w - start).max()) if w.size else 0.0
