@@ -197,3 +197,25 @@ def test_a_trainer_trains_a_float64_model_as_under_a_float64_policy(name, make, 
     for g, w, start in zip(got, want, initial):
         moved = float(np.abs(w - start).max()) if w.size else 0.0
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * moved + 1e-15)
+
+
+TRAINED = {"supervised": "network", "cd": "energy_model", "decoder": "energy_model", "rbm": "energy_model",
+           "autoencoder": "autoencoder", "generative": "layer", "variational": "model"}
+
+
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
+def test_a_trainer_refuses_a_dtype_other_than_its_models(name, make, x, y):
+    """A trainer computes in its model's precision, so a `dtype` given to it is the model's or an `InputError`
+    naming both. Before, a float64 trainer of a float32 model failed at its first step (5 of 7) adding float64
+    terms to float32 ones, and one of another precision otherwise trained its model in the model's own. A
+    mixed policy given to the trainer of a model made with it is the model's: Keras' (CapsNet, the autoencoders)
+    or float32 (the layers that compute in full precision under it)."""
+    for model_dtype, refused in (("float32", "float64"), ("float64", "float32"), ("float64", "mixed_bfloat16")):
+        model = getattr(make(dtype=model_dtype), TRAINED[name])
+        with pytest.raises(InputError, match=rf"^\w+Trainer computes in the precision of the model it trains, "
+                                             rf"\w+'s '{model_dtype}'; .* Received: dtype='{refused}'$"):
+            type(make())(model, dtype=refused)
+    for model_dtype in ("float64", "mixed_bfloat16"):
+        model = getattr(make(dtype=model_dtype), TRAINED[name])
+        for given in (model_dtype, keras.DTypePolicy(model_dtype)):
+            assert type(make())(model, dtype=given).dtype_policy.name == model.dtype_policy.name

@@ -21,7 +21,7 @@ class AutoencoderTrainer(Trainer):
     """
 
     def __init__(self, autoencoder, **kwargs):
-        super().__init__(**{"dtype": autoencoder.dtype_policy, **kwargs})
+        super().__init__(autoencoder, **kwargs)
         self.autoencoder = autoencoder
         self.loss_tracker = keras.metrics.Mean(name="loss")
         self.mse_tracker = keras.metrics.Mean(name="mse")

@@ -47,13 +47,30 @@ class Trainer(keras.Model):
     `(x, y)` pairs, and is None for one that learns from x alone
     (`poecaps.trainers.batch.unpack` holds each to it).
 
-    A trainer takes its model's dtype policy (unless given a `dtype`), so
-    that a call (`predict`) hands the model its inputs in the model's
-    precision, and its steps cast a batch's floating-point values to
-    `data_dtype`: data of any float dtype trains a model of any precision.
+    A trainer takes its model's dtype policy, so that a call (`predict`)
+    hands the model its inputs in the model's precision, and its steps cast
+    a batch's floating-point values to `data_dtype`: data of any float dtype
+    trains a model of any precision. A `dtype` other than the model's (the
+    one it was made with) is an `InputError`: the model's weights and
+    computations fix the precision (build the model with that `dtype`).
+
+    Args:
+        trained: the model (a Keras layer) the trainer trains.
+        **kwargs: `keras.Model`'s (`name`, `dtype`: the model's policy if given).
     """
 
     targets = None
+
+    def __init__(self, trained, **kwargs):
+        policy = trained.dtype_policy
+        given = kwargs.pop("dtype", None)
+        # a full-precision model given a mixed policy computes in float32 (`distribute.routing_dtype`)
+        wanted = given if not isinstance(trained, distribute.FullPrecision) else distribute.routing_dtype(given)
+        if given is not None and keras.dtype_policies.get(wanted).name != policy.name:
+            raise InputError(f"{type(self).__name__} computes in the precision of the model it trains, "
+                             f"{type(trained).__name__}'s {policy.name!r}; build the model with the dtype to train in. "
+                             f"Received: dtype={given!r}")
+        super().__init__(dtype=policy, **kwargs)
 
     @property
     def data_dtype(self):

@@ -139,7 +139,7 @@ class CDTrainer(Trainer):
     def __init__(self, model, preprocess=None, steps=1, persistent=False, chain_shape=None,
                  l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, shards=1,
                  population_sparsity_cost=0.0, **kwargs):
-        super().__init__(**{"dtype": model.dtype_policy, **kwargs})
+        super().__init__(model, **kwargs)
         steps, shards = check_integers(steps=steps, shards=shards)
         if shards > 1 and getattr(model, "draws_random_numbers", False):
             raise InputError(f"{type(model).__name__} draws random numbers from one seed generator, which "

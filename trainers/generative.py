@@ -48,7 +48,7 @@ class GenerativeCapsuleTrainer(Trainer):
     """
 
     def __init__(self, layer, iterations=10, child_weights="uniform", **kwargs):
-        super().__init__(**{"dtype": layer.dtype_policy, **kwargs})
+        super().__init__(layer, **kwargs)
         self.layer = layer
         self.iterations = check_integer(iterations, "iterations")
         self.child_weights = check_child_weights(child_weights)

@@ -40,7 +40,7 @@ class SupervisedTrainer(Trainer):
     targets = "class labels"
 
     def __init__(self, network, max_shift=0, seed=0, shards=1, **kwargs):
-        super().__init__(**{"dtype": network.dtype_policy, **kwargs})
+        super().__init__(network, **kwargs)
         shards = check_integer(shards, "shards")
         max_shift = check_integer(max_shift, "max_shift", minimum=0)
         self.network = network

@@ -37,7 +37,7 @@ class VariationalTrainer(Trainer):
     """
 
     def __init__(self, model, seed=0, **kwargs):
-        super().__init__(**{"dtype": model.dtype_policy, **kwargs})
+        super().__init__(model, **kwargs)
         self.model = model
         self.seed = check_seed(seed)
         self.terms = tuple(model.TERMS)
