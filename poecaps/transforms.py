@@ -5,6 +5,11 @@ shape; out-of-image pixels are filled with 0. They are built on
 `keras.ops.image.affine_transform`, whose transform `[a0, a1, a2, b0, b1, b2,
 c0, c1]` maps an output point (x, y) to the input point
 `(a0 x + a1 y + a2, b0 x + b1 y + b2)`.
+
+The random transforms take a `seed`: a `keras.random.SeedGenerator`, which
+advances (each call draws anew), or an integer (each call draws the same;
+None is 0), which needs no variable and so also serves inside a
+`tf.function`.
 """
 
 import math
@@ -64,13 +69,18 @@ def shift(images, shifts):
     return ops.einsum("bjw,biwc->bijc", col_pick, out)
 
 
+def _seed(seed):
+    """A `SeedGenerator` or an integer seed as given; None is 0."""
+    return 0 if seed is None else seed
+
+
 def random_shift(images, max_shift=2, seed=None):
     """Shift each image by a whole number of pixels in [-max_shift, max_shift] (Sabour)."""
     if max_shift == 0:
         return images
     batch = ops.shape(images)[0]
     draw = lambda shape, seed: keras.random.randint(shape, -max_shift, max_shift + 1, seed=seed)
-    return shift(images, distribute.per_example_draw(draw, (batch, 2), seed))
+    return shift(images, distribute.per_example_draw(draw, (batch, 2), _seed(seed)))
 
 
 def rotate(images, degrees):
@@ -86,8 +96,8 @@ def rotate(images, degrees):
 
 def random_rotation(images, max_degrees, seed=None):
     """Rotate each image about its centre by its own angle, uniform in +-`max_degrees`."""
-    seed = seed if seed is not None else keras.random.SeedGenerator(0)
-    return rotate(images, keras.random.uniform((ops.shape(images)[0],), -max_degrees, max_degrees, seed=seed))
+    return rotate(images, keras.random.uniform((ops.shape(images)[0],), -max_degrees, max_degrees,
+                                               seed=_seed(seed)))
 
 
 def random_affine(images, max_rotation=20.0, max_shear=0.2, scale_range=(0.8, 1.2),
@@ -100,8 +110,13 @@ def random_affine(images, max_rotation=20.0, max_shear=0.2, scale_range=(0.8, 1.
     """
     batch = ops.shape(images)[0]
     h, w = images.shape[1], images.shape[2]
-    seed = seed if seed is not None else keras.random.SeedGenerator(0)
-    u = lambda low, high: keras.random.uniform((batch,), low, high, seed=seed)
+    seed = _seed(seed)
+    if isinstance(seed, keras.random.SeedGenerator):        # one draw per parameter, the generator advancing
+        u = lambda low, high: keras.random.uniform((batch,), low, high, seed=seed)
+    else:     # one draw of all six: an integer seed repeats a draw, which would tie the parameters together
+        draws = keras.random.uniform((6, batch), seed=seed)
+        taken = iter(range(6))
+        u = lambda low, high: low + (high - low) * draws[next(taken)]
     rotation = u(-max_rotation, max_rotation) * (math.pi / 180.0)
     matrices = _matrices(rotation, u(-max_shear, max_shear), u(*scale_range), u(*scale_range),
                          u(-max_translation, max_translation) * w,

@@ -223,6 +223,41 @@ def test_random_affine_keeps_range_and_shape(rng):
     assert np.abs(out - image).max() > 0.01
 
 
+def test_random_affine_draws_its_six_parameters_apart_for_an_integer_seed_and_in_turn_from_a_generator(
+        rng, monkeypatch):
+    """The parameters `_matrices` receives, mapped back to [0, 1]: for an integer seed (or None) they are
+    drawn apart (across 256 images no two of the six correlate beyond 0.3; independent draws give about
+    1/16 = 0.06) and repeat from call to call, also inside a `tf.function`. Before, an integer seed drew one
+    uniform vector six times over, so that rotation, shear, scales and translations were one number.
+    From a `SeedGenerator` they are six draws of `keras.random.uniform` in turn, as the committed affine
+    stand-ins were drawn (the reference is such a generator, drawn here)."""
+    import tensorflow as tf
+
+    seen = []
+    original = transforms._matrices
+    monkeypatch.setattr(transforms, "_matrices", lambda *args: seen.append(args) or original(*args))
+    ranges = [(-0.2 * np.pi / 180 * 100, 0.2 * np.pi / 180 * 100), (-0.2, 0.2), (0.8, 1.2), (0.8, 1.2),
+              (-0.1 * 9, 0.1 * 9), (-0.1 * 8, 0.1 * 8)]
+    images = rng.uniform(size=(256, 8, 9, 1)).astype("float32")
+
+    def unit_draws(seed):
+        seen.clear()
+        transforms.random_affine(images, max_rotation=20.0, seed=seed)
+        return np.stack([(ops.convert_to_numpy(p) - low) / (high - low) for p, (low, high) in zip(seen[0], ranges)])
+
+    for seed in (5, None):
+        draws = unit_draws(seed)
+        assert draws.min() >= 0 and draws.max() <= 1
+        assert np.abs(np.corrcoef(draws) - np.eye(6)).max() < 0.3
+        np.testing.assert_array_equal(unit_draws(seed), draws)
+    compiled = tf.function(lambda x: transforms.random_affine(x, seed=5))
+    np.testing.assert_array_equal(compiled(images).numpy(), compiled(images).numpy())
+    np.testing.assert_allclose(compiled(images).numpy(), transforms.random_affine(images, seed=5), atol=1e-6)
+    reference = keras.random.SeedGenerator(3)
+    expected = np.stack([ops.convert_to_numpy(keras.random.uniform((256,), seed=reference)) for _ in range(6)])
+    np.testing.assert_allclose(unit_draws(keras.random.SeedGenerator(3)), expected, atol=1e-5)
+
+
 def test_shift_equals_a_numpy_reference_and_compiles_with_xla(rng):
     import tensorflow as tf
 
