@@ -111,14 +111,13 @@ def random_affine(images, max_rotation=20.0, max_shear=0.2, scale_range=(0.8, 1.
     batch = ops.shape(images)[0]
     h, w = images.shape[1], images.shape[2]
     seed = _seed(seed)
+    ranges = [(-max_rotation, max_rotation), (-max_shear, max_shear), scale_range, scale_range,
+              (-max_translation, max_translation), (-max_translation, max_translation)]
     if isinstance(seed, keras.random.SeedGenerator):        # one draw per parameter, the generator advancing
-        u = lambda low, high: keras.random.uniform((batch,), low, high, seed=seed)
+        drawn = [keras.random.uniform((batch,), low, high, seed=seed) for low, high in ranges]
     else:     # one draw of all six: an integer seed repeats a draw, which would tie the parameters together
-        draws = keras.random.uniform((6, batch), seed=seed)
-        taken = iter(range(6))
-        u = lambda low, high: low + (high - low) * draws[next(taken)]
-    rotation = u(-max_rotation, max_rotation) * (math.pi / 180.0)
-    matrices = _matrices(rotation, u(-max_shear, max_shear), u(*scale_range), u(*scale_range),
-                         u(-max_translation, max_translation) * w,
-                         u(-max_translation, max_translation) * h)
+        unit = keras.random.uniform((6, batch), seed=seed)
+        drawn = [low + (high - low) * unit[k] for k, (low, high) in enumerate(ranges)]
+    degrees, shear, scale_x, scale_y, tx, ty = drawn
+    matrices = _matrices(degrees * (math.pi / 180.0), shear, scale_x, scale_y, tx * w, ty * h)
     return _apply(images, matrices)

@@ -37,11 +37,11 @@ class Trainer(keras.Model):
     A trainer is not saved whole (`save`, `ModelCheckpoint` of a `.keras`
     file): it holds the model it trains and settings such as a preprocessing
     function. `get_config` raises an `InputError` that names what to save
-    instead: the model (`keras.saving.save_model(trainer.<model>, path)`), the trainer's weights
-    (`save_weights`, `ModelCheckpoint(..., save_weights_only=True)`), or a
-    run's whole state (`poecaps.trainers.resumable.fit_resumable`'s
-    checkpoints, which also hold the seed generators' states that Keras'
-    weight files leave out).
+    instead: the model (`keras.saving.save_model(trainer.<model>, path)`),
+    the trainer's weights (`save_weights`,
+    `ModelCheckpoint(..., save_weights_only=True)`), or a run's whole state
+    (`poecaps.trainers.resumable.fit_resumable`'s checkpoints, which also
+    hold the seed generators' states that Keras' weight files leave out).
 
     `targets` names what a batch's y holds for a trainer that learns from
     `(x, y)` pairs, and is None for one that learns from x alone
