@@ -115,6 +115,9 @@ class CDTrainer(Trainer):
         chain_shape: visible shape of the chains, `[batch, ...]` (persistent only).
         l2: L2 weight decay coefficient (>= 0).
         heldout: a held-out batch of images for the free-energy gap, or None.
+        seed: seed (an integer >= 0, or None: unseeded) of the persistent
+            chains' initial states. The samples of CD are the model's own
+            draws (the RBM's from its own `seed`; capsule experts draw none).
         sparsity_target, sparsity_cost: with a cost > 0, the update also
             descends `cost sum_j (q_j - target)^2`, `q_j` the batch's mean
             probability that hidden unit j is on (per replica under a
