@@ -5,6 +5,7 @@ import numpy as np
 
 from poecaps.capsules import unsquash
 from poecaps.errors import InputError
+from poecaps.validation import check_labels
 
 
 def mse(images, reconstructions):
@@ -14,7 +15,8 @@ def mse(images, reconstructions):
 
 def linear_probe(train_features, train_labels, test_features, test_labels, max_iterations=500,
                  l2=1e-4):
-    """Test accuracy of a multinomial logistic regression on frozen features (`fit_linear_probe`)."""
+    """Test accuracy of a multinomial logistic regression on frozen features (`fit_linear_probe`), over the
+    classes 0 to the largest label of either set."""
     classes = int(max(np.max(train_labels), np.max(test_labels))) + 1
     return fit_linear_probe(train_features, train_labels, classes, max_iterations, l2)(test_features, test_labels)
 
@@ -29,14 +31,19 @@ def fit_linear_probe(train_features, train_labels, classes, max_iterations=500, 
     BLAS, the one L-BFGS-B itself calls: NumPy brings its own OpenBLAS, and
     two thread pools that wait for work by spinning slow each other down on
     a small CPU. One fit serves any number of test sets.
+
+    Features are `[N, ...]` finite numbers (flattened per example) and labels
+    one integer in [0, classes) per example, `[N]`; anything else, such as a
+    column of labels `[N, 1]` (which NumPy would broadcast against `[N]`
+    into a wrong accuracy), is an `InputError` naming it.
     """
     from scipy.linalg import blas
     from scipy.optimize import minimize
 
-    train = np.asarray(train_features, "float64").reshape(len(train_features), -1)
+    train, labels = _probe_set(train_features, train_labels, classes, "train")
     mean, std = train.mean(0), train.std(0) + 1e-6
     train = np.asfortranarray(np.hstack([(train - mean) / std, np.ones((len(train), 1))]))   # BLAS's layout
-    rows, labels = np.arange(len(train)), np.asarray(train_labels)
+    rows = np.arange(len(train))
 
     def loss_and_grad(flat):
         weights = flat.reshape(train.shape[1], classes)
@@ -56,11 +63,28 @@ def fit_linear_probe(train_features, train_labels, classes, max_iterations=500, 
     weights = solution.x.reshape(train.shape[1], classes)
 
     def accuracy(test_features, test_labels):
-        test = np.asarray(test_features, "float64").reshape(len(test_features), -1)
+        test, test_labels = _probe_set(test_features, test_labels, classes, "test")
+        if test.shape[1] != len(mean):
+            raise InputError(f"test_features must have the training features' {len(mean)} values per example. "
+                             f"Received: {test.shape[1]}")
         test = np.hstack([(test - mean) / std, np.ones((len(test), 1))])
         return float(np.mean(np.argmax(test @ weights, axis=1) == test_labels))
 
     return accuracy
+
+
+def _probe_set(features, labels, classes, split):
+    """`features` as float64 `[N, F]` and `labels` as `[N]` integers in [0, classes), or an `InputError`."""
+    features = np.asarray(features)
+    if features.ndim == 0 or len(features) == 0 or not (np.issubdtype(features.dtype, np.number)
+                                                         or features.dtype == bool):
+        raise InputError(f"{split}_features must be a non-empty array of numbers, one row per example. "
+                         f"Received: shape {features.shape}, dtype {features.dtype}")
+    features = features.astype("float64", copy=False).reshape(len(features), -1)
+    if not np.isfinite(features).all():
+        raise InputError(f"{split}_features hold {int(np.size(features) - np.isfinite(features).sum())} NaN or "
+                         "infinite values; they must all be finite.")
+    return features, check_labels(labels, classes, len(features), f"{split}_labels")
 
 
 PROBE_PENALTIES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)

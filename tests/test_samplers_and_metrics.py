@@ -276,6 +276,31 @@ def test_linear_probe_separates_separable_features(rng):
     assert metrics.linear_probe(noise[:200], labels[:200], noise[200:], labels[200:]) < 0.6
 
 
+@pytest.mark.parametrize("train_labels, test_labels, test_features, message", [
+    (lambda y: y[:, None], None, None, (r"^train_labels must be one integer per example, shape \[200\]\. "
+                                        r"Received: shape \(200, 1\)$")),
+    (None, lambda y: y[:, None], None, r"^test_labels must be one integer per example, shape \[100\]"),
+    (lambda y: y - 1, None, None, r"^train_labels must lie in \[0, 3\)\. Received: -1 to 1$"),
+    (lambda y: y.astype("float32"), None, None, r"^train_labels must be integers\. Received: dtype float32$"),
+    (lambda y: y[:-1], None, None, r"^train_labels must be one integer per example, shape \[200\]"),
+    (None, None, lambda x: x[:, :2], r"^test_features must have the training features' 3 values per example"),
+    (None, None, lambda x: np.where(np.arange(3) == 1, np.nan, x), r"^test_features hold 100 NaN or infinite"),
+])
+def test_linear_probe_refuses_labels_and_features_it_would_misread(rng, train_labels, test_labels, test_features,
+                                                                   message):
+    """Labels other than one integer in [0, classes) per example, and test features of another width or not
+    finite, are an `InputError` naming them. Before, a column of labels `[N, 1]` broadcast against `[N]` into a
+    wrong accuracy (about 1/3 for these separable features, whose flat labels score above 0.95), a label -1
+    indexed the last class, and the rest failed inside NumPy or SciPy."""
+    labels = rng.integers(0, 3, size=300)
+    features = np.eye(3)[labels] * 3 + rng.normal(size=(300, 3)) * 0.1
+    same = lambda values: values
+    x, y = features[:200], (train_labels or same)(labels[:200])
+    xt, yt = (test_features or same)(features[200:]), (test_labels or same)(labels[200:])
+    with pytest.raises(InputError, match=message):
+        metrics.fit_linear_probe(x, y, 3)(xt, yt)
+
+
 @pytest.mark.parametrize("l2", [1e-4, 0.3])
 def test_linear_probe_decides_as_the_penalised_logistic_regression_solved_by_another_method(rng, l2):
     """The probe's contract, solved independently: standardise with the training statistics (std + 1e-6),
