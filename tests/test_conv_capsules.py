@@ -236,8 +236,8 @@ def test_random_affine_draws_its_six_parameters_apart_for_an_integer_seed_and_in
     seen = []
     original = transforms._matrices
     monkeypatch.setattr(transforms, "_matrices", lambda *args: seen.append(args) or original(*args))
-    ranges = [(-0.2 * np.pi / 180 * 100, 0.2 * np.pi / 180 * 100), (-0.2, 0.2), (0.8, 1.2), (0.8, 1.2),
-              (-0.1 * 9, 0.1 * 9), (-0.1 * 8, 0.1 * 8)]
+    # rotation (radians, at most 20 degrees), shear, scales, translations (0.1 of the width 9 and height 8)
+    ranges = [(-np.radians(20.0), np.radians(20.0)), (-0.2, 0.2), (0.8, 1.2), (0.8, 1.2), (-0.9, 0.9), (-0.8, 0.8)]
     images = rng.uniform(size=(256, 8, 9, 1)).astype("float32")
 
     def unit_draws(seed):
