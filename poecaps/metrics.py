@@ -252,6 +252,7 @@ def class_selectivity(activity, labels, classes):
     if activity.ndim != 2 or len(activity) != len(labels):
         raise InputError(f"class_selectivity needs activity [N, J] and labels [N]. "
                          f"Received shapes {activity.shape} and {labels.shape}")
+    labels = check_labels(labels, classes, len(activity))     # one would be left out, or fail inside NumPy
     present = [c for c in range(classes) if np.any(labels == c)]
     means = np.stack([activity[labels == c].mean(axis=0) for c in present])   # [C, J]
     preferred = [present[k] for k in np.argmax(means, axis=0)]
@@ -368,6 +369,7 @@ def longest_capsule_side_clusters(upper, labels, classes, axes):
     if upper.ndim != 3 or len(upper) != len(labels) or len(labels) == 0 or axes.shape != upper.shape[1:]:
         raise InputError(f"longest_capsule_side_clusters needs upper [N, J, D], labels [N] (N > 0) and "
                          f"axes [J, D]. Received shapes {upper.shape}, {labels.shape} and {axes.shape}")
+    labels = check_labels(labels, classes, len(upper))
     rows = np.arange(len(upper))
     winner = np.argmax(np.linalg.norm(upper, axis=-1), axis=1)
     other_side = np.sum(upper[rows, winner] * axes[winner], axis=-1) < 0
@@ -400,6 +402,7 @@ def longest_capsule_clusters(lengths, labels, classes):
     if lengths.ndim != 2 or len(lengths) != len(labels) or len(labels) == 0:
         raise InputError(f"longest_capsule_clusters needs lengths [N, J] and labels [N], N > 0. "
                          f"Received shapes {lengths.shape} and {labels.shape}")
+    labels = check_labels(labels, classes, len(lengths))
     return _clusters(np.argmax(lengths, axis=1), labels, classes, lengths.shape[1])
 
 
@@ -443,6 +446,7 @@ def cluster_purity(assignment, labels, classes, count):
     if assignment.shape != labels.shape or assignment.ndim != 1 or len(labels) == 0:
         raise InputError(f"cluster_purity needs assignment [N] and labels [N], N > 0. "
                          f"Received shapes {assignment.shape} and {labels.shape}")
+    labels = check_labels(labels, classes, len(assignment))
     return _clusters(assignment, labels, classes, count)
 
 

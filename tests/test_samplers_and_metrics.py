@@ -410,3 +410,24 @@ def test_hoyer_sparsity_by_hand():
     assert metrics.hoyer_sparsity(np.array([[1.0, 1.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])) == pytest.approx(half / 2)
     with pytest.raises(InputError, match="at least 2 entries. Received shape"):
         metrics.hoyer_sparsity(np.ones((4, 1)))
+
+
+@pytest.mark.parametrize("name, call", [
+    ("class_selectivity", lambda a, u, y: metrics.class_selectivity(a, y, 3)),
+    ("longest_capsule_clusters", lambda a, u, y: metrics.longest_capsule_clusters(a, y, 3)),
+    ("longest_capsule_side_clusters", lambda a, u, y: metrics.longest_capsule_side_clusters(u, y, 3, np.eye(4, 2))),
+    ("cluster_purity", lambda a, u, y: metrics.cluster_purity(np.argmax(a, 1), y, 3, 4)),
+])
+def test_the_class_figures_refuse_labels_outside_the_classes(rng, name, call):
+    """Labels must be one integer in [0, classes) per example. Before, class_selectivity left out the examples
+    of a label outside [0, classes) and returned its figures without them; the clusters counted a label equal
+    to `classes` as a class of its own, and failed inside NumPy's bincount on a label -1 or float labels."""
+    upper = rng.normal(size=(40, 4, 2))
+    lengths = np.linalg.norm(upper, axis=-1)
+    labels = rng.integers(0, 3, size=40)
+    call(lengths, upper, labels)                                   # valid labels pass
+    for bad, message in ((labels - 1, r"^labels must lie in \[0, 3\)\. Received: -1 to 1$"),
+                         (labels + 1, r"^labels must lie in \[0, 3\)\. Received: 1 to 3$"),
+                         (labels.astype("float64"), r"^labels must be integers")):
+        with pytest.raises(InputError, match=message):
+            call(lengths, upper, bad)
