@@ -5,7 +5,7 @@ import numpy as np
 
 from poecaps.capsules import unsquash
 from poecaps.errors import InputError
-from poecaps.validation import check_labels
+from poecaps.validation import check_array, check_labels
 
 
 def mse(images, reconstructions):
@@ -75,16 +75,8 @@ def fit_linear_probe(train_features, train_labels, classes, max_iterations=500, 
 
 def _probe_set(features, labels, classes, split):
     """`features` as float64 `[N, F]` and `labels` as `[N]` integers in [0, classes), or an `InputError`."""
-    features = np.asarray(features)
-    if features.ndim == 0 or len(features) == 0 or not (np.issubdtype(features.dtype, np.number)
-                                                         or features.dtype == bool):
-        raise InputError(f"{split}_features must be a non-empty array of numbers, one row per example. "
-                         f"Received: shape {features.shape}, dtype {features.dtype}")
-    features = features.astype("float64", copy=False).reshape(len(features), -1)
-    if not np.isfinite(features).all():
-        raise InputError(f"{split}_features hold {int(np.size(features) - np.isfinite(features).sum())} NaN or "
-                         "infinite values; they must all be finite.")
-    return features, check_labels(labels, classes, len(features), f"{split}_labels")
+    features = check_array(features, f"{split}_features", dtype="float64")
+    return features.reshape(len(features), -1), check_labels(labels, classes, len(features), f"{split}_labels")
 
 
 PROBE_PENALTIES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)

@@ -127,7 +127,8 @@ def base_rate_bias(v, smoothing=1.0):
     for each value), a base model for AIS closer to the data than the
     uniform one (Salakhutdinov and Murray 2008, section 4.2).
     """
-    v = check_array(v, "v", low=0.0, high=1.0).reshape(len(np.asarray(v)), -1).astype(np.float64)
+    v = check_array(v, "v", low=0.0, high=1.0, dtype="float64")
+    v = v.reshape(len(v), -1)
     smoothing = check_number(smoothing, "smoothing", above=0)
     p = (v.sum(axis=0) + smoothing) / (len(v) + 2.0 * smoothing)
     return np.log(p) - np.log1p(-p)

@@ -104,10 +104,10 @@ def sizes_fit(a, b):
     return a is None or b is None or a == b
 
 
-def check_array(array, name, shape=None, low=None, high=None, what="values"):
+def check_array(array, name, shape=None, low=None, high=None, what="values", dtype="float32"):
     """Check that `array` is a non-empty finite float array of `[N, *shape]` within [low, high].
 
-    `shape` entries of None match any size. Returns the array as float32 NumPy.
+    `shape` entries of None match any size. Returns the array as NumPy of `dtype`.
     """
     try:
         array = np.asarray(array)
@@ -122,7 +122,7 @@ def check_array(array, name, shape=None, low=None, high=None, what="values"):
         if array.ndim != len(expected) or any(e is not None and e != a for e, a in zip(expected, array.shape)):
             wanted = "[N, " + ", ".join("?" if e is None else str(e) for e in shape) + "]"
             raise InputError(f"{name} must have shape {wanted}. Received: shape {array.shape}")
-    array = array.astype(np.float32, copy=False)
+    array = array.astype(dtype, copy=False)
     if not np.isfinite(array).all():
         count = int(np.size(array) - np.isfinite(array).sum())
         raise InputError(f"{name} holds {count} NaN or infinite {what}; they must all be finite.")

@@ -284,7 +284,7 @@ def test_linear_probe_separates_separable_features(rng):
     (lambda y: y.astype("float32"), None, None, r"^train_labels must be integers\. Received: dtype float32$"),
     (lambda y: y[:-1], None, None, r"^train_labels must be one integer per example, shape \[200\]"),
     (None, None, lambda x: x[:, :2], r"^test_features must have the training features' 3 values per example"),
-    (None, None, lambda x: np.where(np.arange(3) == 1, np.nan, x), r"^test_features hold 100 NaN or infinite"),
+    (None, None, lambda x: np.where(np.arange(3) == 1, np.nan, x), r"^test_features holds 100 NaN or infinite"),
 ])
 def test_linear_probe_refuses_labels_and_features_it_would_misread(rng, train_labels, test_labels, test_features,
                                                                    message):
