@@ -20,6 +20,8 @@ class AutoencoderTrainer(Trainer):
         autoencoder: a `poecaps.layers.ConvAutoencoder`.
     """
 
+    trained_as = "autoencoder"
+
     def __init__(self, autoencoder, **kwargs):
         super().__init__(autoencoder, **kwargs)
         self.autoencoder = autoencoder

@@ -60,6 +60,7 @@ class Trainer(keras.Model):
     """
 
     targets = None
+    trained_as = "model"    # the attribute that holds the trained model, named by `get_config`'s advice
 
     def __init__(self, trained, **kwargs):
         policy = trained.dtype_policy
@@ -89,11 +90,9 @@ class Trainer(keras.Model):
         super().compile(optimizer=optimizer, **kwargs)
 
     def get_config(self):
-        trained = next((name for name, value in vars(self).items()
-                        if isinstance(value, keras.layers.Layer) and not name.startswith("_")), "model")
         raise InputError(
             f"{type(self).__name__} is not saved whole: it holds the model it trains and its training settings. "
-            f"Save that model (keras.saving.save_model(trainer.{trained}, path)), the trainer's weights (save_weights, or "
+            f"Save that model (keras.saving.save_model(trainer.{self.trained_as}, path)), the trainer's weights (save_weights, or "
             "ModelCheckpoint(..., save_weights_only=True)), or train with poecaps.trainers.resumable.fit_resumable, "
             "whose checkpoints hold the whole training state.")
 

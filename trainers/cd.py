@@ -139,6 +139,8 @@ class CDTrainer(Trainer):
             sampler): concurrent shards would share its seed generator.
     """
 
+    trained_as = "energy_model"
+
     def __init__(self, model, preprocess=None, steps=1, persistent=False, chain_shape=None,
                  l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, shards=1,
                  population_sparsity_cost=0.0, **kwargs):

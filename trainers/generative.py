@@ -47,6 +47,8 @@ class GenerativeCapsuleTrainer(Trainer):
         children: `[B, I, D_c]`; returns `layer.infer(children, a, iterations)`.
     """
 
+    trained_as = "layer"
+
     def __init__(self, layer, iterations=10, child_weights="uniform", **kwargs):
         super().__init__(layer, **kwargs)
         self.layer = layer

@@ -38,6 +38,7 @@ class SupervisedTrainer(Trainer):
     """
 
     targets = "class labels"
+    trained_as = "network"
 
     def __init__(self, network, max_shift=0, seed=0, shards=1, **kwargs):
         super().__init__(network, **kwargs)
