@@ -174,6 +174,20 @@ def test_get_resolves_names_configs_and_instances():
         routing.get("nope")
 
 
+@pytest.mark.parametrize("identifier, kwargs, message", [
+    (lambda: DynamicRouting(2), {"iterations": 5}, r"holds its own settings.*Received: iterations=5 with a Routing$"),
+    (lambda: keras.saving.serialize_keras_object(DynamicRouting(2)), {"agreement": "cosine"},
+     r"Received: agreement='cosine' with a config$"),
+    (lambda: "uniform", {"iterations": 3}, r"^'uniform' routing is one round.*Received: iterations=3$"),
+])
+def test_get_refuses_settings_it_would_ignore(identifier, kwargs, message):
+    """Settings given with a router or its config, which hold their own, were dropped without a word (the
+    router kept 2 rounds when 5 were asked), and `"uniform"` with 3 rounds was 3-round dynamic routing."""
+    with pytest.raises(InputError, match=message):
+        routing.get(identifier(), **kwargs)
+    assert routing.get("uniform", iterations=1).iterations == 1
+
+
 def test_config_round_trip_with_non_default_arguments():
     layer = DynamicRouting(iterations=5, agreement="cosine", normalize="children", name="r")
     clone = DynamicRouting.from_config(layer.get_config())

@@ -45,8 +45,18 @@ def get(identifier, dtype=None, **kwargs):
 
     `dtype` (a layer's `dtype_policy`, as Keras layers hand theirs to the
     layers they make) is the policy of a router made from a name, or from a
-    config that records none; an instance keeps its own.
+    config that records none; an instance keeps its own. `kwargs` (the
+    router's arguments) go to a router made from a name; with an instance
+    or a config, which hold their own, they are an `InputError`, as is
+    `"uniform"` (one round) with `iterations` other than 1.
     """
+    if kwargs and isinstance(identifier, (Routing, dict)):
+        given = ", ".join(f"{name}={value!r}" for name, value in kwargs.items())
+        raise InputError(f"A routing instance or config holds its own settings; set them there, or give a routing "
+                         f"name. Received: {given} with a {'config' if isinstance(identifier, dict) else 'Routing'}")
+    if isinstance(identifier, str) and identifier.lower() == "uniform" and kwargs.get("iterations", 1) != 1:
+        raise InputError(f"'uniform' routing is one round of dynamic routing; for more rounds use 'dynamic'. "
+                         f"Received: iterations={kwargs['iterations']!r}")
     if isinstance(identifier, Routing):
         return identifier
     if isinstance(identifier, dict):
