@@ -124,10 +124,11 @@ def baseline(run_dir, preset=None, resume=False, test_limit=None, **settings):
     trains the network, as the script and `compare_routing` draw it.
     Returns the run's `eval.json` figures.
     """
+    evaluation = _evaluation(test_limit)   # checked before any training, as the script does
     config, record = (config_to_resume(run_dir, "baseline", preset, settings) if resume
                       else presets.configured("baseline", preset, settings))
     train_baseline(config, run_dir, record, resume=resume)
-    return evaluate_baseline(run_dir, _evaluation(test_limit))
+    return evaluate_baseline(run_dir, evaluation)
 
 
 def compare_routing(root, rows=None, test_limit=None, **settings):

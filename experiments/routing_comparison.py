@@ -65,7 +65,9 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
         evaluation: a `BaselineEvaluationConfig`.
     """
     known = presets.routing_table()
-    names = list(names or known)
+    if names is not None and (isinstance(names, str) or len(names) == 0):
+        raise InputError(f"names must be a list of the table's presets, or None for all of them. Received: {names!r}")
+    names = list(known if names is None else names)
     unknown = [name for name in names if name not in known]
     if unknown:
         raise InputError(f"{', '.join(unknown)} is not a preset of the routing network; the table's presets "

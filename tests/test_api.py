@@ -71,6 +71,9 @@ def test_the_research_programs_check_their_settings_before_any_work(tmp_path):
         (lambda: api.sparse_inference(str(run), steps=2.5), "steps must be an integer >= 1"),
         (lambda: api.toy_routing(str(run), learning_rate=-1), "learning_rate must be a finite number > 0"),
         (lambda: api.toy_routing(str(run), step=3), "ToyRoutingConfig has no setting 'step'. Did you mean steps"),
+        # before, the baseline trained first and refused its test_limit only when it came to evaluate
+        (lambda: api.baseline(str(run), test_limit=0), "test_limit must be an integer >= 1"),
+        (lambda: api.compare_routing(str(run), test_limit=-2), "test_limit must be an integer >= 1"),
     ]
     for call, message in refusals:
         with pytest.raises(SettingError, match=message):

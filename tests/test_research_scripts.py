@@ -159,6 +159,22 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
     assert metrics.linear_probe(table_train["t0"], y_train, t0_test, y_test) == found["probe_accuracy"]["t0"]["0"]
 
 
+@pytest.mark.parametrize("names, message", [
+    ("faria2019-em", r"names must be a list of the table's presets, or None.*Received: 'faria2019-em'$"),
+    ([], r"names must be a list.*Received: \[\]$"),
+    (["faria2019-em", "nope"], r"^nope is not a preset of the routing network"),
+])
+def test_routing_table_refuses_rows_it_would_misread(tmp_path, names, message):
+    """Before, an empty list trained every row of the table (as None does), and one name as a string was
+    refused as twelve unknown presets, one per character."""
+    from poecaps.errors import InputError
+    from poecaps.experiments import routing_comparison as table
+
+    with pytest.raises(InputError, match=message):
+        table.compare_routing(str(tmp_path / "table"), {}, names)
+    assert not (tmp_path / "table").exists()
+
+
 @pytest.mark.slow
 def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, monkeypatch):
     # One row (no routing: the cheapest) on 16 tiny digits, 1 step per epoch; each call finds the run
