@@ -257,8 +257,9 @@ def _resume_state(run, config, resume):
 
 
 def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
-    """Train `stages` in order into `run_dir`; returns `{stage: seconds}` of every stage the run has trained
-    (this call's and, resumed, the earlier ones), in training order.
+    """Train `stages` (a non-empty list of `STAGES`; each once, in training order) into `run_dir`; returns
+    `{stage: seconds}` of every stage the run has trained (this call's and, resumed, the earlier ones), in
+    training order.
 
     `record` is what `config.json` keeps besides the settings (kind, preset,
     overrides; `poecaps.experiments.cli.config_from_args`). With `resume`,
@@ -268,9 +269,12 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     """
     if not isinstance(config, LayerwiseConfig):
         raise InputError(f"config must be a LayerwiseConfig. Received: {type(config).__name__}")
+    if isinstance(stages, str) or not isinstance(stages, (list, tuple)) or not stages:
+        raise InputError(f"stages must be a non-empty list of stages among {STAGES}. Received: stages={stages!r}")
     unknown = [stage for stage in stages if stage not in STAGES]
     if unknown:
         raise InputError(f"stages must be among {STAGES}. Received: {unknown}")
+    stages = [stage for stage in STAGES if stage in stages]     # each once, an encoder after its autoencoder
     keras.utils.set_random_seed(config.seed)
     run = RunDir(run_dir, create="later")
     state = _resume_state(run, config, resume)

@@ -336,3 +336,26 @@ def test_a_trained_run_whose_images_are_gone_is_left_as_it_was_by_the_commands_t
         call(run_dir)
     assert _snapshot(run_dir) == before and sorted(os.listdir(run_dir)) == ["config.json", "environment.jsonl",
                                                                             "models"]
+
+
+@pytest.mark.parametrize("stages", ["autoencoder", [], None])
+def test_layerwise_training_refuses_stages_it_would_misread_and_leaves_the_run(tmp_path, stages):
+    """Before, one stage name as a string was refused as eleven unknown stages, one per letter, and an empty
+    list replaced the run's checkpoints and logs with a run that trained nothing."""
+    _write(str(tmp_path), "checkpoints/autoencoder/kept", "earlier run")
+    with pytest.raises(layerwise.InputError, match=r"^stages must be a non-empty list of stages among "):
+        layerwise.train_layerwise(LayerwiseConfig(**TINY), str(tmp_path), stages=stages)
+    assert os.listdir(tmp_path / "checkpoints" / "autoencoder") == ["kept"]
+
+
+def test_layerwise_training_trains_each_given_stage_once_in_training_order(tmp_path, monkeypatch):
+    """Stages given out of order, or twice, train each once with an encoder after its autoencoder (before, in
+    the order given: the encoder before the autoencoder it reads, the decoder twice)."""
+    trained = []
+    monkeypatch.setattr(layerwise, "load_images", lambda config, split: (np.zeros((8, 28, 28, 1), "float32"),
+                                                                          None, "zeros"))
+    monkeypatch.setattr(layerwise, "train_stage", lambda stage, *args: trained.append(stage))
+    monkeypatch.setattr(layerwise, "train_rbm", lambda *args: trained.append("rbm"))
+    seconds = layerwise.train_layerwise(LayerwiseConfig(**TINY), str(tmp_path),
+                                        stages=["rbm", "decoder", "encoder", "autoencoder", "decoder"])
+    assert trained == ["autoencoder", "encoder", "decoder", "rbm"] == list(seconds)
