@@ -35,6 +35,7 @@ from poecaps.experiments.capsnet_inference import infer_run
 from poecaps.experiments.configs import (
     STAGES,
     BaselineEvaluationConfig,
+    EvaluationConfig,
     GenerativeConfig,
     ProbabilisticTrainConfig,
     SparseInferenceConfig,
@@ -47,7 +48,7 @@ from poecaps.experiments.layerwise import train_layerwise
 from poecaps.experiments.routing_comparison import compare_routing as _compare_routing
 from poecaps.experiments.runs import config_to_resume, values_to_resume
 from poecaps.experiments.sampling import sample_run
-from poecaps.experiments.settings import SettingError, with_values
+from poecaps.experiments.settings import SettingError, config_or_default, with_values
 from poecaps.experiments.toy_routing import toy_routing as _toy_routing
 from poecaps.experiments.trained import load_saved
 
@@ -71,9 +72,10 @@ def sample(run_dir, rows=None, domain=None, seed=0):
     return sample_run(run_dir, rows=rows, domain=domain, seed=seed)
 
 
-def evaluate(run_dir, config=None):
-    """Write and return the run's `eval.json` (`config`: an `EvaluationConfig`)."""
-    return evaluate_run(run_dir, config)
+def evaluate(run_dir, config=None, **settings):
+    """Write and return the run's `eval.json`: `config` (an `EvaluationConfig`, None: its defaults) with
+    `settings` (its fields, as `scripts/evaluate.py` takes them: `rows=3`) changed."""
+    return evaluate_run(run_dir, with_values(config_or_default(config, EvaluationConfig), settings))
 
 
 def load(run_dir, component):

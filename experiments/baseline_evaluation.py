@@ -11,6 +11,7 @@ from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import BaselineConfig, BaselineEvaluationConfig
 from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.experiments.settings import config_or_default
 from poecaps.graphs import graph
 from poecaps.metrics import hoyer_sparsity
 from poecaps.models.saving import load_component
@@ -114,7 +115,7 @@ def _figures(model, run, images, labels, config):
 
 def evaluate_baseline(run_dir, config=None):
     """Compute and write `run_dir/eval.json`; returns the dict (`config`: a `BaselineEvaluationConfig`)."""
-    config = config or BaselineEvaluationConfig()
+    config = config_or_default(config, BaselineEvaluationConfig)
     run = RunDir(run_dir, create=False)
     train_config = read_settings(run, BaselineConfig)
     path = os.path.join(run.models, "model.keras")

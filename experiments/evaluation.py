@@ -19,6 +19,7 @@ from poecaps.experiments import figures
 from poecaps.experiments.configs import DOMAINS, EvaluationConfig, LayerwiseConfig
 from poecaps.experiments.progress import phase
 from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.experiments.settings import config_or_default
 from poecaps.experiments.trained import load_pipeline, load_rbm, training_capsules
 from poecaps.graphs import batched
 from poecaps.samplers import CapsuleSampler, RBMSampler
@@ -244,7 +245,7 @@ def _diagnostics(pipeline, test, test_code, test_upper, test_lengths, test_label
 
 def evaluate_run(run_dir, config=None):
     """Compute and write `run_dir/eval.json`; returns the dict (`config`: an `EvaluationConfig`)."""
-    config = config or EvaluationConfig()
+    config = config_or_default(config, EvaluationConfig)
     run = RunDir(run_dir, create=False)
     train_config = read_settings(run, LayerwiseConfig)
     pipeline = load_pipeline(run, train_config)

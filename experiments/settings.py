@@ -168,6 +168,17 @@ def unknown_field_error(config_cls, name, *more_classes):
     return SettingError(f"{config_cls.__name__} has no setting {name!r}.{hint}")
 
 
+def config_or_default(config, config_cls):
+    """`config` if it is a `config_cls`, `config_cls()` if None, else a `SettingError` naming both."""
+    if config is None:
+        return config_cls()
+    if not isinstance(config, config_cls):
+        article = "an" if config_cls.__name__[0] in "AEIOU" else "a"
+        raise SettingError(f"config must be {article} {config_cls.__name__} (or None for its defaults). "
+                           f"Received: {type(config).__name__}")
+    return config
+
+
 def with_values(config, values):
     """A copy of `config` with `values` (`{name: value or command-line text}`) set, each checked."""
     declared = specs(config)

@@ -144,3 +144,26 @@ def test_load_returns_a_runs_trained_component_and_names_what_the_run_holds(tmp_
         api.load(RunDir(str(tmp_path / "empty")).path, "rbm")
     with pytest.raises(InputError, match="No run directory"):
         api.load(str(tmp_path / "missing"), "rbm")
+
+
+def test_the_evaluations_take_their_config_or_its_fields_and_refuse_anything_else(tmp_path, monkeypatch):
+    """Before, a dict given as the config failed with an AttributeError inside the evaluation, after the
+    reference classifier had started training; `api.evaluate` now also takes the config's fields by keyword."""
+    from poecaps.experiments import api, baseline_evaluation, evaluation
+    from poecaps.experiments.configs import EvaluationConfig
+    from poecaps.experiments.settings import SettingError
+
+    seen = []
+    monkeypatch.setattr(api, "evaluate_run", lambda run_dir, config: seen.append(config))
+    api.evaluate("run", rows=3)
+    api.evaluate("run", EvaluationConfig(seed=2), draws=1)
+    api.evaluate("run")
+    assert seen == [EvaluationConfig(rows=3), EvaluationConfig(seed=2, draws=1), EvaluationConfig()]
+    with pytest.raises(SettingError, match="EvaluationConfig has no setting 'row'. Did you mean rows"):
+        api.evaluate("run", row=3)
+    run = str(tmp_path / "run")
+    for call in (lambda: api.evaluate(run, {"rows": 3}), lambda: evaluation.evaluate_run(run, {"rows": 3}),
+                 lambda: baseline_evaluation.evaluate_baseline(run, EvaluationConfig())):
+        with pytest.raises(SettingError, match=r"^config must be an? \w*EvaluationConfig \(or None for its defaults\)"
+                                               r"\. Received: (dict|EvaluationConfig)$"):
+            call()
