@@ -67,12 +67,14 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
         return ops.cast(noise < p, p.dtype)
 
     def gibbs(self, v, steps=1):
-        for _ in range(steps):
+        """`steps` (>= 1) rounds of block Gibbs sampling from `v`: hidden states drawn, visible probabilities."""
+        for _ in range(check_integer(steps, "steps")):
             v = self.visible_probabilities(self.sample_hidden(v))
         return v
 
     def reconstruct(self, v, steps=1):
-        for _ in range(steps):
+        """`steps` (>= 1) mean-field rounds from `v`: hidden probabilities, then visible probabilities."""
+        for _ in range(check_integer(steps, "steps")):
             v = self.visible_probabilities(self.p_on(v))
         return v
 

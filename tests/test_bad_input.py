@@ -156,6 +156,12 @@ def test_damaged_idx_files(tmp_path, kind, message):
         data_lib.load_arrays("mnist", "test", directory, source="idx")
 
 
+def _rbm_on(visible):
+    rbm = BernoulliRBM(2, seed=0)
+    rbm.build((None, visible))
+    return rbm
+
+
 @pytest.mark.parametrize("build, message", [
     (lambda: data_lib.load_arrays("cifar10", "train"), r"Unknown dataset.*Received: name='cifar10'"),
     (lambda: routing.get("attention"), r"Unknown routing 'attention'.*Received: routing='attention'"),
@@ -186,6 +192,11 @@ def test_damaged_idx_files(tmp_path, kind, message):
     (lambda: RunOptions(save_every=-5), r"save_every must be an integer >= 0. Received: save_every=-5"),
     (lambda: default_optimizer(learning_rate=0.0), r"learning_rate must be a finite number > 0\. Received: learning_rate=0\.0"),
     (lambda: CDTrainer(CapsuleExperts(2, 3), steps=0), r"steps must be an integer >= 1. Received: steps=0"),
+    # the RBM's chains ran no step for 0 or -1 and returned their start as a sample
+    (lambda: _rbm_on(3).gibbs(np.zeros((2, 3), "float32"), steps=0), r"steps must be an integer >= 1. Received: steps=0"),
+    (lambda: _rbm_on(3).gibbs(np.zeros((2, 3), "float32"), steps=-1), r"steps=-1"),
+    (lambda: _rbm_on(3).reconstruct(np.zeros((2, 3), "float32"), steps=0), r"steps=0"),
+    (lambda: _rbm_on(3).gibbs(np.zeros((2, 3), "float32"), steps=2.5), r"steps=2.5"),
 ])
 def test_bad_names_sizes_and_hyperparameters(build, message):
     with pytest.raises(InputError, match=message):
