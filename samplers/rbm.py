@@ -3,7 +3,8 @@
 import numpy as np
 from keras import ops
 
-from poecaps.validation import check_seed
+from poecaps.errors import InputError
+from poecaps.validation import check_integer, check_seed
 
 
 class RBMSampler:
@@ -15,8 +16,11 @@ class RBMSampler:
 
     Args:
         rbm: a trained `poecaps.rbm.BernoulliRBM`.
-        image_shape: `(H, W, C)` of the visible units.
+        image_shape: `(H, W, C)` of the visible units (`H W C = V`).
         seed: seed of the draws.
+
+    Returns (from `sample(rows)`):
+        dict with `images [rows, num_hidden, H, W, C]`, the visible probabilities.
     """
 
     def __init__(self, rbm, image_shape, seed=0):
@@ -24,11 +28,15 @@ class RBMSampler:
         self.image_shape = tuple(image_shape)
         self.seed = check_seed(seed)
 
-    def sample(self, rows=4, restricted=False):
+    def sample(self, rows=4):
+        rows = check_integer(rows, "rows")
         rng = np.random.default_rng(self.seed)
         units = self.rbm.num_hidden
         one_hot = np.eye(units, dtype="float32")
         p_v = ops.convert_to_numpy(self.rbm.visible_probabilities(one_hot))
+        if int(np.prod(self.image_shape)) != p_v.shape[-1]:
+            raise InputError(f"image_shape {self.image_shape} must hold the RBM's {p_v.shape[-1]} visible units. "
+                             f"Received: image_shape={self.image_shape}")
         v = (rng.random((rows, units, p_v.shape[-1])) < p_v[None]).astype("float32")
         v = v.reshape(rows * units, -1)
         p_h = ops.convert_to_numpy(self.rbm.p_on(v))

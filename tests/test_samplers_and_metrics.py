@@ -102,10 +102,38 @@ def test_each_column_decodes_its_own_capsule_alone(pipeline):
     assert np.abs(ops.convert_to_numpy(pipeline.decode_upper(code))[0] - expected).max() > 1e-3
 
 
-def test_rbm_sampler(rng):
-    rbm = _built(BernoulliRBM(4, seed=0), (9,))
-    images = samplers.get("rbm", rbm=rbm, image_shape=(3, 3, 1), seed=0).sample(rows=3)["images"]
-    assert images.shape == (3, 4, 3, 3, 1)
+def test_rbm_sampler_draws_each_unit_clamped_on_as_a_numpy_reference_does(rng):
+    """The documented procedure in NumPy, from NumPy's generator of the same seed (v drawn first, then h):
+    v ~ Bernoulli(sigmoid(b + W e_j)), h ~ Bernoulli(sigmoid(a + v W)) with h_j set to 1, image sigmoid(b + W h).
+    Weights of size 2 make the draws far from certain, so a wrong clamp or a swapped draw shows."""
+    rbm = _built(BernoulliRBM(4, seed=0), (6,))
+    W, b, a = rng.normal(size=(6, 4)) * 2, rng.normal(size=6), rng.normal(size=4)
+    for weight, value in zip((rbm.kernel, rbm.visible_bias, rbm.hidden_bias), (W, b, a)):
+        weight.assign(value.astype("float32"))
+    images = samplers.get("rbm", rbm=rbm, image_shape=(3, 2, 1), seed=5).sample(rows=3)["images"]
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))
+    draws = np.random.default_rng(5)
+    expected = np.zeros((3, 4, 6))
+    v = np.zeros((3, 4, 6))
+    for row in range(3):
+        for j in range(4):
+            v[row, j] = draws.random(6) < sigmoid(b + W[:, j])
+    for row in range(3):
+        for j in range(4):
+            h = draws.random(4) < sigmoid(a + v[row, j] @ W)
+            h[j] = 1
+            expected[row, j] = sigmoid(b + W @ h)
+    np.testing.assert_allclose(images, expected.reshape(3, 4, 3, 2, 1), atol=1e-5)   # float32 sigmoids of |z| < 20
+
+
+@pytest.mark.parametrize("rows, image_shape, message", [
+    (0, (3, 2, 1), r"rows must be an integer >= 1. Received: rows=0"),
+    (2, (3, 3, 1), r"image_shape \(3, 3, 1\) must hold the RBM's 6 visible units"),
+])
+def test_rbm_sampler_refuses_rows_and_image_shapes_it_cannot_draw(rows, image_shape, message):
+    rbm = _built(BernoulliRBM(4, seed=0), (6,))
+    with pytest.raises(InputError, match=message):
+        samplers.RBMSampler(rbm, image_shape).sample(rows)
 
 
 def test_unknown_sampler():
