@@ -72,12 +72,23 @@ def log_bessel_i(order, x):
 
 
 def vmf_log_normalizer(kappa, d):
-    """`log C_d(kappa)` of the vMF on S^(d-1) (kappa > 0, any shape; `d` >= 2 an integer)."""
+    """`log C_d(kappa)` of the vMF on S^(d-1) (kappa >= 0, any shape; `d` >= 2 an integer).
+
+    At kappa = 0 the vMF is the uniform distribution on the sphere, and
+    `log C_d(0) = log Gamma(d/2) - log 2 - (d/2) log pi`, minus the log of
+    the sphere's area (the formula's limit; computed as written it is
+    `0 log 0 - log I(0)`, NaN). Its gradient there is `-A_d(0) = 0`. A
+    negative kappa gives NaN.
+    """
     d = check_integer(d, "d", minimum=2)
     kappa = tf.convert_to_tensor(kappa)
     k64 = tf.cast(kappa, tf.float64)
     order = d / 2.0 - 1.0
-    log_c = order * tf.math.log(k64) - (d / 2.0) * math.log(2.0 * math.pi) - log_bessel_i(order, k64)
+    positive = k64 > 0
+    safe = tf.where(positive, k64, tf.ones_like(k64))      # the other branch's value and gradient stay finite
+    log_c = order * tf.math.log(safe) - (d / 2.0) * math.log(2.0 * math.pi) - log_bessel_i(order, safe)
+    uniform = math.lgamma(d / 2.0) - math.log(2.0) - (d / 2.0) * math.log(math.pi)
+    log_c = tf.where(positive, log_c, tf.where(k64 == 0, tf.constant(uniform, tf.float64), math.nan))
     return tf.cast(log_c, kappa.dtype)
 
 
@@ -87,9 +98,12 @@ def vmf_log_prob(x, mu, kappa):
 
 
 def mean_resultant_length(kappa, d):
-    """`A_d(kappa) = I_(d/2)(kappa) / I_(d/2-1)(kappa)`, the mean of `mu . x` under the vMF."""
+    """`A_d(kappa) = I_(d/2)(kappa) / I_(d/2-1)(kappa)`, the mean of `mu . x` under the vMF (0 at kappa = 0,
+    the uniform distribution; NaN for a negative kappa)."""
     kappa = tf.convert_to_tensor(kappa, tf.float64)
-    return tf.exp(log_bessel_i(d / 2.0, kappa) - log_bessel_i(d / 2.0 - 1.0, kappa))
+    safe = tf.where(kappa > 0, kappa, tf.ones_like(kappa))
+    ratio = tf.exp(log_bessel_i(d / 2.0, safe) - log_bessel_i(d / 2.0 - 1.0, safe))
+    return tf.where(kappa > 0, ratio, tf.where(kappa == 0, tf.zeros_like(kappa), math.nan))
 
 
 def _householder_to(mu, x):

@@ -34,6 +34,29 @@ def test_log_normaliser_matches_scipy(rng, d, kappa):
     np.testing.assert_allclose(float(got32), reference[0] - kappa * x[0] @ mu, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [2, 3, 8, 16])
+def test_at_zero_concentration_the_vmf_is_the_uniform_distribution_on_the_sphere(d):
+    """kappa = 0 (a learned log-concentration below -103 in float32 reaches it) gave NaN for the normaliser
+    and the mean resultant length. They are minus the log of the sphere's area 2 pi^(d/2) / Gamma(d/2), and 0,
+    the limits of scipy's values at kappa -> 0; the normaliser's gradient there is -A_d(0) = 0, and a negative
+    kappa stays NaN."""
+    area = 2 * np.pi ** (d / 2) / special.gamma(d / 2)
+    kappa = tf.constant([0.0, 1e-9, -1.0], tf.float64)
+    with tf.GradientTape() as tape:
+        tape.watch(kappa)
+        log_c = vmf.vmf_log_normalizer(kappa, d)
+    mu = np.eye(d)[0]
+    near_zero = stats.vonmises_fisher(mu, 1e-9).logpdf(mu)             # e^(1e-9 mu.mu) = 1 + 1e-9
+    np.testing.assert_allclose(log_c.numpy()[:2], [-np.log(area), near_zero - 1e-9], rtol=0, atol=1e-12)
+    assert abs(log_c.numpy()[0] - log_c.numpy()[1]) < 1e-8 and np.isnan(log_c.numpy()[2])
+    gradient = tape.gradient(log_c, kappa).numpy()
+    assert gradient[0] == 0.0 and abs(gradient[1]) < 1e-8              # -A_d(kappa) ~ -kappa / d near 0
+    a = vmf.mean_resultant_length(tf.constant([0.0, 1e-9, -1.0], tf.float64), d).numpy()
+    np.testing.assert_allclose(a[:2], [0.0, 1e-9 / d], rtol=1e-6, atol=0)
+    assert np.isnan(a[2])
+    assert float(vmf.vmf_log_normalizer(tf.constant(0.0, tf.float32), d)) == pytest.approx(-np.log(area), rel=1e-6)
+
+
 @pytest.mark.parametrize("d", [2, 3, 8, 16, 100])
 def test_log_bessel_and_the_normaliser_hold_at_any_concentration(d):
     """`log I_(d/2-1)(kappa)` against scipy's scaled Bessel function (`log ive + kappa`) from kappa = 1e-3 to
