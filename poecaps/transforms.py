@@ -16,9 +16,30 @@ import math
 import numbers
 
 import keras
+import numpy as np
 from keras import ops
 
 from poecaps import distribute
+from poecaps.errors import InputError
+from poecaps.validation import check_integer, check_number
+
+
+def _check_images(images, owner):
+    """Refuse, with an `InputError` naming `owner`, images whose static rank is not 4 (`[B, H, W, C]`)."""
+    shape = images.shape if hasattr(images, "shape") else np.shape(images)
+    if getattr(shape, "rank", len(shape)) not in (4, None):      # a graph's tensor of unknown rank passes
+        raise InputError(f"{owner} takes a batch of images [B, H, W, C]. Received: shape {tuple(shape)}")
+
+
+def _check_per_image(values, images, name, width=None):
+    """Refuse `values` whose static leading size (and `width`, if given) does not fit one row per image."""
+    if getattr(values.shape, "rank", 0) is None or getattr(images.shape, "rank", 4) is None:
+        return
+    shape, batch = tuple(values.shape), images.shape[0]
+    wanted = (batch,) if width is None else (batch, width)
+    if len(shape) != len(wanted) or any(s is not None and w is not None and s != w for s, w in zip(shape, wanted)):
+        described = "[B]" if width is None else f"[B, {width}]"
+        raise InputError(f"{name} must be one value per image, {described} with B = {batch}. Received: shape {shape}")
 
 
 def _apply(images, matrices, interpolation="bilinear"):
@@ -57,6 +78,9 @@ def shift(images, shifts):
     selections (exact, and compiled by XLA, which has no kernel for the
     projective-transform op).
     """
+    _check_images(images, "shift")
+    shifts = ops.convert_to_tensor(shifts)
+    _check_per_image(shifts, images, "shifts", width=2)
     h, w = images.shape[1], images.shape[2]
     shifts = ops.cast(shifts, "int32")
     rows = ops.arange(h)[None, :] - shifts[:, 1:2]                                   # [B, H]
@@ -76,6 +100,8 @@ def _seed(seed):
 
 def random_shift(images, max_shift=2, seed=None):
     """Shift each image by a whole number of pixels in [-max_shift, max_shift] (Sabour)."""
+    _check_images(images, "random_shift")
+    max_shift = check_integer(max_shift, "max_shift", minimum=0)
     if max_shift == 0:
         return images
     batch = ops.shape(images)[0]
@@ -85,17 +111,23 @@ def random_shift(images, max_shift=2, seed=None):
 
 def rotate(images, degrees):
     """Rotate the images about their centre by `degrees`: one angle for all, or one per image (`[B]`)."""
+    _check_images(images, "rotate")
     batch = ops.shape(images)[0]
     ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
     if isinstance(degrees, numbers.Real):                       # NumPy scalars too
         angle = ones * (degrees * math.pi / 180.0)
     else:
+        degrees = ops.convert_to_tensor(degrees)
+        if len(degrees.shape) != 0:
+            _check_per_image(degrees, images, "degrees")
         angle = ones * (ops.cast(degrees, ones.dtype) * math.pi / 180.0)
     return _apply(images, _matrices(angle, zeros, ones, ones, zeros, zeros))
 
 
 def random_rotation(images, max_degrees, seed=None):
     """Rotate each image about its centre by its own angle, uniform in +-`max_degrees`."""
+    _check_images(images, "random_rotation")
+    max_degrees = check_number(max_degrees, "max_degrees", minimum=0)
     return rotate(images, keras.random.uniform((ops.shape(images)[0],), -max_degrees, max_degrees,
                                                seed=_seed(seed)))
 
@@ -108,6 +140,13 @@ def random_affine(images, max_rotation=20.0, max_shear=0.2, scale_range=(0.8, 1.
     independent x/y scales in `scale_range`, translation up to
     `max_translation` of the image size.
     """
+    _check_images(images, "random_affine")
+    for value, name in ((max_rotation, "max_rotation"), (max_shear, "max_shear"),
+                        (max_translation, "max_translation")):
+        check_number(value, name, minimum=0)
+    if (not isinstance(scale_range, (tuple, list)) or len(scale_range) != 2
+            or not 0 < check_number(scale_range[0], "scale_range[0]") <= check_number(scale_range[1], "scale_range[1]")):
+        raise InputError(f"scale_range must be (low, high) with 0 < low <= high. Received: scale_range={scale_range!r}")
     batch = ops.shape(images)[0]
     h, w = images.shape[1], images.shape[2]
     seed = _seed(seed)

@@ -143,6 +143,39 @@ def test_shift_moves_pixels_by_whole_steps():
     assert np.all(random.sum(axis=(1, 2, 3)) == 1.0)
 
 
+_BATCH = np.zeros((3, 6, 6, 1), "float32")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: transforms.rotate(_BATCH[0], 30), r"^rotate takes a batch of images \[B, H, W, C\]\. Received: shape \(6, 6, 1\)$"),
+    (lambda: transforms.rotate(_BATCH, [30.0, 40.0]), r"^degrees must be one value per image, \[B\] with B = 3\. Received: shape \(2,\)$"),
+    (lambda: transforms.shift(_BATCH, np.zeros((2, 2))), r"^shifts must be one value per image, \[B, 2\] with B = 3"),
+    (lambda: transforms.shift(_BATCH, np.zeros((3,))), r"^shifts must be one value per image, \[B, 2\]"),
+    (lambda: transforms.random_shift(_BATCH, -1, seed=1), r"^max_shift must be an integer >= 0. Received: max_shift=-1$"),
+    (lambda: transforms.random_shift(_BATCH, 1.5, seed=1), r"max_shift=1.5$"),
+    (lambda: transforms.random_rotation(_BATCH[None], 10.0, seed=1), r"^random_rotation takes a batch of images"),
+    (lambda: transforms.random_rotation(_BATCH, -10.0, seed=1), r"^max_degrees must be a finite number >= 0"),
+    (lambda: transforms.random_affine(_BATCH, max_shear=float("nan"), seed=1), r"^max_shear must be a finite number"),
+    (lambda: transforms.random_affine(_BATCH, scale_range=(1.2, 0.8), seed=1), r"^scale_range must be \(low, high\)"),
+    (lambda: transforms.random_affine(_BATCH, scale_range=0.8, seed=1), r"scale_range=0.8$"),
+])
+def test_transforms_refuse_images_and_ranges_they_would_misread(call, message):
+    """Before, a single image, one angle or shift too few, and a negative or fractional max_shift failed inside
+    TensorFlow's ops (an image of rank 3 as 'Input transform should be num_images x 8'), and a negative
+    max_degrees, a NaN max_shear or a reversed scale_range were taken without a word."""
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_transforms_in_a_graph_of_unknown_batch_size(rng):
+    images = rng.uniform(size=(2, 6, 6, 1)).astype("float32")
+    spec = tf.TensorSpec((None, 6, 6, 1), tf.float32)
+    rotated = tf.function(lambda x: transforms.rotate(x, tf.constant([90.0, 0.0])), input_signature=[spec])(images)
+    np.testing.assert_allclose(rotated.numpy()[1], images[1], atol=1e-5)
+    shifted = tf.function(lambda x: transforms.random_shift(x, 1, seed=3), input_signature=[spec])(images)
+    assert shifted.shape == images.shape
+
+
 def test_rotation_by_90_is_rot90_and_0_is_identity(rng):
     image = rng.uniform(size=(2, 7, 7, 1)).astype("float32")
     np.testing.assert_allclose(ops.convert_to_numpy(transforms.rotate(image, 0)), image, atol=1e-5)
