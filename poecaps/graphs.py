@@ -7,6 +7,9 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from poecaps.errors import InputError
+from poecaps.validation import check_integer
+
 
 def batched(fn, array, batch_size=256, jit_compile=False):
     """Apply `fn` to `array` in batches and concatenate the NumPy results.
@@ -17,7 +20,13 @@ def batched(fn, array, batch_size=256, jit_compile=False):
     step per capsule. A bound method's graph is kept between calls
     (`traced`). Under XLA the last batch is padded with zeros to the full
     size (and the padding dropped), so that one compiled shape serves all.
+    `array` needs at least one row and `batch_size` must be an integer >= 1
+    (else an `InputError`).
     """
+    batch_size = check_integer(batch_size, "batch_size")
+    if len(array) == 0:
+        raise InputError(f"batched needs at least one row to apply {getattr(fn, '__name__', 'fn')} to. "
+                         f"Received: {len(array)} rows")
     graph = traced(fn, jit_compile)
     outputs = []
     for k in range(0, len(array), batch_size):

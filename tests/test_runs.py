@@ -7,7 +7,9 @@ import sys
 import weakref
 
 import numpy as np
+import pytest
 
+from poecaps.errors import InputError
 from poecaps.graphs import batched
 from poecaps.layers import ConvAutoencoder
 from poecaps.models import CapsulePipeline
@@ -40,6 +42,19 @@ def test_a_bound_methods_graph_is_kept_between_calls():
     assert len(scale.traces) == traces
     np.testing.assert_allclose(batched(scale.shift, x, batch_size=4), x + 2)  # its own graph
     assert len(scale.traces) > traces
+
+
+@pytest.mark.parametrize("rows, batch_size, message", [
+    (4, 0, r"^batch_size must be an integer >= 1. Received: batch_size=0$"),
+    (4, -2, r"batch_size=-2$"),
+    (4, 2.0, r"batch_size=2.0$"),
+    (0, 4, r"^batched needs at least one row to apply apply to. Received: 0 rows$"),
+])
+def test_batched_refuses_batch_sizes_and_arrays_it_cannot_split(rows, batch_size, message):
+    """Before, a batch size of 0 or a float failed in range(), and a negative one or an empty array in
+    np.concatenate ('need at least one array to concatenate')."""
+    with pytest.raises(InputError, match=message):
+        batched(Scale(2.0).apply, np.ones((rows, 3), "float32"), batch_size=batch_size)
 
 
 def test_rebinding_an_attribute_of_the_owner_traces_again():
