@@ -94,6 +94,14 @@ def _number(x):
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
+def check_image_size(image_size):
+    """`(height, width)`, two integers >= 1, as a tuple of ints; else an `InputError` naming `image_size`."""
+    if (not isinstance(image_size, (tuple, list)) or len(image_size) != 2
+            or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in image_size)):
+        raise InputError(f"image_size must be (height, width), two integers >= 1. Received: image_size={image_size!r}")
+    return tuple(int(s) for s in image_size)
+
+
 def check_integers(minimum=1, **values):
     """`check_integer` of each keyword argument, named by its keyword; returns the ints in the same order."""
     return tuple(check_integer(value, name, minimum) for name, value in values.items())

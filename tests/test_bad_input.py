@@ -203,6 +203,18 @@ def test_bad_names_sizes_and_hyperparameters(build, message):
         build()
 
 
+@pytest.mark.parametrize("image_size", [(12.7, 12), (0, 12), (12,), 12, ("12", "12"), (True, 12)])
+@pytest.mark.parametrize("model", ["vae", "probabilistic"])
+def test_the_image_models_refuse_image_sizes_that_are_not_two_positive_integers(model, image_size):
+    """Before, both cut a float size to an integer without a word (12.7 made 12 x 12 images), and the VAE
+    took a zero or a one-number size into Keras' layers, which failed there."""
+    make = {"vae": lambda: VariationalAutoencoder(image_size=image_size, latent=2, hidden=5),
+            "probabilistic": lambda: ProbabilisticCapsules(image_size=image_size, num_top=2, num_parts=2,
+                                                           template_size=5)}[model]
+    with pytest.raises(InputError, match=r"^image_size must be \(height, width\), two integers >= 1\. Received: "):
+        make()
+
+
 @pytest.mark.parametrize("name", ["dynamic", "em", "similarity", "connectionist", "sparse_inference", "generative"])
 def test_every_routing_refuses_votes_of_another_rank_by_name(name):
     layer = routing.get(name)

@@ -60,9 +60,8 @@ import numpy as np
 import tensorflow as tf
 
 from poecaps import compositing, concrete, distribute
-from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integers, check_number, check_seed
+from poecaps.validation import check_image_size, check_integers, check_number, check_seed
 
 _IDENTITY = compositing.IDENTITY
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -83,9 +82,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
                  sigma=0.2, lambda_off=1.0, rho_dummy=0.05, c_dummy=1.0, c_min=0.1, temperature=1.0, seed=0,
                  **kwargs):
         super().__init__(**kwargs)
-        image_size = tuple(int(s) for s in image_size)
-        if len(image_size) != 2 or min(image_size) < 1:
-            raise InputError(f"image_size must be (height, width) >= 1. Received: image_size={image_size!r}")
+        image_size = check_image_size(image_size)
         num_top, num_parts, template_size = check_integers(num_top=num_top, num_parts=num_parts,
                                                            template_size=template_size)
         positive = lambda value, name: check_number(value, name, above=0)

@@ -31,7 +31,13 @@ import keras
 import tensorflow as tf
 
 from poecaps import distribute
-from poecaps.validation import check_image_batch, check_integers, check_number, check_seed
+from poecaps.validation import (
+    check_image_batch,
+    check_image_size,
+    check_integers,
+    check_number,
+    check_seed,
+)
 
 _LOG_2PI = math.log(2.0 * math.pi)
 
@@ -43,7 +49,7 @@ class VariationalAutoencoder(keras.Model):
 
     def __init__(self, image_size=(28, 28), latent=10, hidden=128, pixel_sigma=0.2, seed=0, **kwargs):
         super().__init__(**kwargs)
-        self.image_size = tuple(int(s) for s in image_size)
+        self.image_size = check_image_size(image_size)
         latent, hidden = check_integers(latent=latent, hidden=hidden)
         pixel_sigma = check_number(pixel_sigma, "pixel_sigma", above=0)
         seed = check_seed(seed)
