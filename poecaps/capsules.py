@@ -4,6 +4,8 @@ All functions are pure and work on any leading shape; `axis` is the capsule
 (pose) axis.
 """
 
+import math
+
 from keras import ops
 
 from poecaps.errors import InputError
@@ -79,7 +81,7 @@ def with_length(x, axis=-1):
     """
     if axis != -1:
         raise InputError(f"with_length works on the last axis. Received: axis={axis}")
-    return ops.concatenate([x, length(x)[..., None]], axis=-1) / ops.sqrt(2.0)
+    return ops.concatenate([x, length(x)[..., None]], axis=-1) / math.sqrt(2.0)    # a Python float: x's dtype
 
 
 def primary_capsules(code, capsule_dim):

@@ -121,3 +121,17 @@ def test_with_length_appends_the_length_and_keeps_it(rng):
     np.testing.assert_allclose(ops.convert_to_numpy(with_length(np.zeros((2, 3), "float32"))), 0.0)
     with pytest.raises(InputError, match="last axis"):
         with_length(x, axis=1)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_with_length_keeps_its_inputs_dtype(rng, dtype):
+    """Before, float64 (and float16) capsules failed: the divisor sqrt(2) was a float32 tensor."""
+    from poecaps.capsules import with_length
+
+    x = (rng.normal(size=(3, 4)) * 0.3).astype(dtype)
+    out = with_length(ops.convert_to_tensor(x))
+    assert ops.convert_to_numpy(out).dtype == dtype
+    expected = np.concatenate([x, np.linalg.norm(x.astype("float64"), axis=-1, keepdims=True)], -1) / np.sqrt(2.0)
+    # float16 (unit roundoff u = 4.9e-4): 4 squares and 3 sums (4u on the sum, 2u through the root), the
+    # root and the division (u each): 4u < 3e-3
+    np.testing.assert_allclose(ops.convert_to_numpy(out), expected, rtol=1e-12 if dtype == "float64" else 3e-3)
