@@ -1,6 +1,5 @@
 """tf.distribute (2 logical CPU devices) against one device, mixed precision and float64."""
 
-import contextlib
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
+from policies import global_policy
 from small_trainers import TRAINER_NAMES, each_trainer
 
 from poecaps import distribute, routing
@@ -287,19 +287,6 @@ def test_likelihoods_and_bounds_are_float32_under_a_mixed_policy(policy):
                                rtol=1e-5, atol=1e-6)
 
 
-@contextlib.contextmanager
-def _float64():
-    """Keras' float64 set-up, `floatx` and the global dtype policy both, restored after."""
-    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    try:
-        yield
-    finally:
-        keras.config.set_floatx(floatx)
-        keras.config.set_dtype_policy(policy)
-
-
 @pytest.mark.parametrize("name", routing.names())
 def test_every_routing_routes_in_float64_under_a_float64_policy(rng, name):
     """A router made under float64 and handed float64 votes routes in float64, as `Routing` promises.
@@ -312,7 +299,7 @@ def test_every_routing_routes_in_float64_under_a_float64_policy(rng, name):
     votes = rng.normal(size=(2, 6, 3, 4))
     activations = rng.uniform(0.1, 1.0, size=(2, 6))
     moved = votes * (1.0 + 1e-9 * rng.choice([-1.0, 1.0], size=votes.shape))
-    with _float64():
+    with global_policy("float64"):
         router = routing.get(name)
         found = router(votes, activations)
         found_moved = router(moved, activations)
@@ -335,7 +322,7 @@ def test_every_trainer_trains_in_float64_under_a_float64_policy(name, make, x, y
     metrics. Before, the energy models were pinned to float32, and constants and casts of float32 in the
     CD descent, the reconstruction losses and the VAE's draws met float64 tensors: six of the seven failed
     with a dtype mismatch."""
-    with _float64():
+    with global_policy("float64"):
         trainer = make()
         trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
         history = trainer.fit(x, y, batch_size=4, epochs=2, verbose=0).history
@@ -357,7 +344,7 @@ def test_capsule_networks_and_the_probabilistic_capsule_model_train_in_float64()
     from poecaps.trainers.variational import VariationalTrainer
 
     data = np.random.default_rng(0)
-    with _float64():
+    with global_policy("float64"):
         matrix = SupervisedTrainer(MatrixCapsNet((28, 28, 1), 3, routing_iterations=2, a=4, b=2, c=2, d=2))
         table = SupervisedTrainer(RoutingCapsNet((28, 28, 1), 3, routing="dynamic", routing_iterations=2, filters=8,
                                                  primary_types=2, conv_types=2))
@@ -386,7 +373,7 @@ def test_a_checkpoint_resumes_only_under_the_dtypes_it_was_written_in(tmp_path):
     from poecaps.errors import CheckpointError
 
     def fit(policy, folder, resume, epochs):
-        with _float64() if policy == "float64" else distribute.precision_policy(policy):
+        with global_policy(policy):
             _, make, x, y = each_trainer(keras.config.floatx())[0]
             trainer = make()
             trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
@@ -416,7 +403,7 @@ def test_capsule_maps_route_in_float64_under_a_float64_policy(rng, chunk_size):
     poses = rng.normal(size=(2, 7, 7, 2, 16))
     activations = rng.uniform(0.1, 1.0, size=(2, 7, 7, 2))
     moved = poses * (1.0 + 1e-9 * rng.choice([-1.0, 1.0], size=poses.shape))
-    with _float64():
+    with global_policy("float64"):
         conv = ConvCapsules(3, 16, 3, 2, routing=EMRouting(2), chunk_size=chunk_size)
         classes = ClassCapsules(4, 16, routing=EMRouting(2))
 

@@ -10,6 +10,7 @@ model came back in the loading session's policy and trainable.
 import keras
 import numpy as np
 import pytest
+from policies import global_policy
 from small_trainers import TRAINER_NAMES, each_trainer
 
 from poecaps.errors import InputError
@@ -65,23 +66,6 @@ CASES = {
 }
 
 
-class _global:
-    """The global dtype policy (and, for float64, `floatx`) set for a block, restored after."""
-
-    def __init__(self, policy):
-        self.policy = policy
-
-    def __enter__(self):
-        self.saved = keras.config.dtype_policy(), keras.config.floatx()
-        keras.config.set_dtype_policy(self.policy)
-        if self.policy == "float64":
-            keras.config.set_floatx("float64")
-
-    def __exit__(self, *exc):
-        keras.config.set_dtype_policy(self.saved[0])
-        keras.config.set_floatx(self.saved[1])
-
-
 def _made(make, inputs, **dtype):
     """`(layer, outputs)`: `make(**dtype)` with Keras' global seed reset first (same initial weights), called."""
     keras.utils.set_random_seed(0)
@@ -109,7 +93,7 @@ def test_a_dtype_given_computes_as_the_global_policy(name, policy):
     and values) of the same one made under the global `policy`. Both run the same operations on the same
     numbers, so they agree to a few roundings of the outputs' dtype."""
     make, inputs = CASES[name]
-    with _global(policy):
+    with global_policy(policy):
         want, want_out = _made(make, inputs)
     got, got_out = _made(make, inputs, dtype=policy)
     assert _policies(got) == _policies(want)
@@ -182,7 +166,7 @@ def test_a_trainer_trains_a_float64_model_as_under_a_float64_policy(name, make, 
     policy rounded the model's input in `predict`, and most steps failed on the float32 data."""
     runs = {}
     for setup in ("global", "argument"):
-        with _global("float64" if setup == "global" else "float32"):
+        with global_policy("float64" if setup == "global" else "float32"):
             keras.utils.set_random_seed(0)
             trainer = make() if setup == "global" else make(dtype="float64")
             initial = trainer.get_weights()
