@@ -543,3 +543,48 @@ def test_every_router_refuses_activations_that_do_not_fit_its_votes(name):
     traced = tf.function(router, input_signature=[tf.TensorSpec([None, 6, 3, 4]), tf.TensorSpec([None, None])])
     found = traced(votes, np.ones((2, 6), "float32"))
     assert tuple(found.poses.shape) == (2, 3, 4)
+
+
+@pytest.mark.parametrize("name, make, x, y", each_trainer(), ids=TRAINER_NAMES)
+def test_fit_and_evaluate_check_arrays_as_fit_resumable_does(name, make, x, y):
+    """Arrays given to Keras' own `fit` and `evaluate` (x, y and validation arrays) meet the trainer's
+    `check_inputs`, as `fit_resumable` checks them, before any weight moves: a NaN among the inputs is refused
+    by every trainer. Before, `fit` trained on them (or failed inside the graph), and the generative and
+    variational trainers checked no input, in `fit_resumable` either."""
+    trainer = make()
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
+    labelled = {} if y is None else {"y": y}
+    trainer.fit(x, batch_size=4, epochs=1, verbose=0, **labelled)
+    before = [w.copy() for w in trainer.get_weights()]
+    bad = np.array(x, copy=True)
+    bad.reshape(-1)[1] = np.nan
+    calls = [lambda: trainer.fit(bad, batch_size=4, epochs=1, verbose=0, **labelled),
+             lambda: trainer.fit(x, batch_size=4, epochs=1, verbose=0, validation_data=(bad, y), **labelled),
+             lambda: trainer.fit(x, batch_size=4, epochs=1, verbose=0, validation_data=(bad,), **labelled)
+             if y is None else trainer.evaluate(bad, y, verbose=0)]
+    for call in calls:
+        with pytest.raises(InputError, match=r"holds 1 NaN or infinite"):
+            call()
+    for a, b in zip(before, trainer.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("labels, message", [
+    (lambda y: np.eye(3)[y], r"^y \(labels\) must be one integer per example, shape \[8\]"),
+    (lambda y: y.astype("float32"), r"^y \(labels\) must be integers"),
+    (lambda y: np.full_like(y, 3), r"^y \(labels\) must lie in \[0, 3\)"),
+])
+def test_the_supervised_trainers_fit_refuses_labels_it_would_misread(labels, message):
+    """Before, Keras' `fit` trained a 3-class network on the label 3 without a word (margin loss 0, accuracy 0),
+    and one-hot or float labels failed inside the traced step."""
+    network = CapsNet((14, 14, 1), 3, conv_filters=4, primary_types=2, kernel_size=3)
+    trainer = SupervisedTrainer(network, seed=0)
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
+    x = np.random.default_rng(0).uniform(size=(8, 14, 14, 1)).astype("float32")
+    y = np.arange(8) % 3
+    with pytest.raises(InputError, match=message):
+        trainer.fit(x, labels(y), epochs=1, verbose=0)
+    with pytest.raises(InputError, match=message):
+        trainer.evaluate(x, labels(y), verbose=0)
+    with pytest.raises(InputError, match=r"must lie in \[0.0, 1.0\].*divide 8-bit images by 255"):
+        trainer.fit((x * 255).astype("uint8"), y, epochs=1, verbose=0)

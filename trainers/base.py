@@ -3,6 +3,7 @@
 import inspect
 
 import keras
+import numpy as np
 from keras import ops
 
 from poecaps import distribute
@@ -11,6 +12,11 @@ from poecaps.trainers.batch import weighted
 
 # `keras.Model.compile`'s arguments that a trainer's own `train_step` and `test_step` never read.
 OWN_OBJECTIVE = ("loss", "loss_weights", "metrics", "weighted_metrics")
+
+
+def _is_array(value):
+    """Whether `value` is a NumPy array or a tensor (which `check_inputs` reads), not a dataset or generator."""
+    return isinstance(value, np.ndarray) or keras.ops.is_tensor(value)
 
 
 class Trainer(keras.Model):
@@ -25,7 +31,11 @@ class Trainer(keras.Model):
     as the steps refuse the weights of a dataset's batches
     (`poecaps.trainers.batch.unpack`): Keras would read a `class_weight`'s y
     as class labels, which for most trainers it is not, and drops a
-    `sample_weight` given without y.
+    `sample_weight` given without y. Arrays given to them (x, y and
+    `validation_data`; NumPy or tensors, not datasets, which are read batch
+    by batch) are checked by the trainer's `check_inputs`, if it has one,
+    as `fit_resumable` checks them: images outside [0, 1] or of the wrong
+    shape, or labels outside the classes, are an `InputError` before any step.
 
     The trained model's `losses` (weight regularizers such as a
     `kernel_regularizer`, and `add_loss` terms) join the objective, as Keras
@@ -114,15 +124,24 @@ class Trainer(keras.Model):
         extra = tape.gradient(penalty, weights)
         return [g if e is None else g + ops.cast(e, g.dtype) for g, e in zip(gradients, extra)]
 
-    def _refuse_weights(self, method, args, kwargs):
+    def _check_call(self, method, args, kwargs):
+        """Refuse sample or class weights, and arrays (x, y and validation arrays) that `check_inputs` refuses."""
         given = inspect.signature(method).bind(self, *args, **kwargs).arguments
         if given.get("sample_weight") is not None or given.get("class_weight") is not None:
             raise weighted(self)
+        check = getattr(self, "check_inputs", None)
+        if check is None:
+            return
+        validation = given.get("validation_data")
+        validation = (*validation, None)[:2] if isinstance(validation, (tuple, list)) else (validation, None)
+        for x, y in ((given.get("x"), given.get("y")), validation):
+            if _is_array(x) and (y is None or _is_array(y)):
+                check(x, y)
 
     def fit(self, *args, **kwargs):
-        self._refuse_weights(keras.Model.fit, args, kwargs)
+        self._check_call(keras.Model.fit, args, kwargs)
         return super().fit(*args, **kwargs)
 
     def evaluate(self, *args, **kwargs):
-        self._refuse_weights(keras.Model.evaluate, args, kwargs)
+        self._check_call(keras.Model.evaluate, args, kwargs)
         return super().evaluate(*args, **kwargs)

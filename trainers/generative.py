@@ -7,7 +7,7 @@ from poecaps import distribute
 from poecaps.trainers import CHILD_WEIGHTS
 from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
-from poecaps.validation import check_choice, check_integer
+from poecaps.validation import check_array, check_choice, check_integer
 
 
 def check_child_weights(child_weights):
@@ -60,6 +60,11 @@ class GenerativeCapsuleTrainer(Trainer):
     @property
     def metrics(self):
         return [self.bound_tracker, self.entropy_tracker]
+
+    def check_inputs(self, x, y=None):
+        """Raise `InputError` unless `x` are finite children `[N, I, D_c]` of the layer's child dimension (a y,
+        which EM would ignore, is refused by the steps)."""
+        check_array(x, "x (children)", (None, self.layer.child_dim))
 
     def call(self, children, training=None):
         # Under a mixed policy Keras hands the call its low precision; EM infers in float32.

@@ -6,7 +6,7 @@ import tensorflow as tf
 from poecaps import distribute
 from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
-from poecaps.validation import check_seed
+from poecaps.validation import check_images, check_seed
 
 
 class VariationalTrainer(Trainer):
@@ -50,6 +50,11 @@ class VariationalTrainer(Trainer):
     @property
     def metrics(self):
         return list(self.trackers.values())
+
+    def check_inputs(self, x, y=None):
+        """Raise `InputError` unless `x` are one-channel images `[N, H, W, 1]` in [0, 1] (the model checks their
+        size; a y, which the bound would ignore, is refused by the steps)."""
+        check_images(x, "x (images)", channels=1)
 
     def call(self, images, training=None):
         return self.model(images)
