@@ -145,8 +145,8 @@ def test_delta_rule_trainer_fits_a_teacher_decoder(rng):
     errors = history.history["code_error"]
     assert set(history.history) >= {"code_error", "p_on", "free_energy"}
     assert errors[-1] < 0.2 * errors[0]
-    with pytest.raises(InputError, match=r"\(upper, lower\) pairs"):
-        trainer.check_inputs(upper)
+    with pytest.raises(InputError, match=r"^DecoderTrainer learns from \(x, y\) pairs, y the lower capsules"):
+        trainer.fit(upper, verbose=0)
     with pytest.raises(InputError, match="rule must be one of"):
         DecoderTrainer(student, "clamped")
 

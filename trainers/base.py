@@ -8,7 +8,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.trainers.batch import weighted
+from poecaps.trainers.batch import check_batch, weighted
 
 # `keras.Model.compile`'s arguments that a trainer's own `train_step` and `test_step` never read.
 OWN_OBJECTIVE = ("loss", "loss_weights", "metrics", "weighted_metrics")
@@ -136,6 +136,7 @@ class Trainer(keras.Model):
         validation = (*validation, None)[:2] if isinstance(validation, (tuple, list)) else (validation, None)
         for x, y in ((given.get("x"), given.get("y")), validation):
             if _is_array(x) and (y is None or _is_array(y)):
+                check_batch(self, y)        # a y given or missing, as the steps would refuse it once traced
                 check(x, y)
 
     def fit(self, *args, **kwargs):

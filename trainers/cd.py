@@ -201,15 +201,12 @@ class CDTrainer(Trainer):
         return list(self.trackers.values())
 
     def check_inputs(self, x, y=None):
-        """Raise `InputError` unless `x` fit the energy model (CD learns from visible units alone)."""
+        """Raise `InputError` unless `x` fit the energy model (whether a y is given is `check_batch`'s to judge)."""
         shape = self.energy_model.visible_shape if self.energy_model.built else None
         if self._identity_preprocess:
             check_array(x, "x (visible units)", shape)
         else:
             check_array(x, "x (images)")
-        if y is not None:
-            raise InputError("CDTrainer learns from the visible units alone; pass no y "
-                             "(DecoderTrainer takes (upper, lower) pairs).")
 
     def call(self, images):
         return self.energy_model(self.preprocess(images))
@@ -288,11 +285,10 @@ class DecoderTrainer(CDTrainer):
         self.trackers = {name: keras.metrics.Mean(name=name) for name in ("code_error", "p_on", "free_energy")}
 
     def check_inputs(self, x, y=None):
-        """Raise `InputError` unless `x` (upper capsules) and `y` (their lower capsules) are given and fit."""
-        if y is None:
-            raise InputError("The decoder learns from (upper, lower) pairs; pass the lower capsules as y.")
+        """Raise `InputError` unless `x` (upper capsules) and `y` (their lower capsules, if given) fit."""
         super().check_inputs(x)
-        check_array(y, "y (lower capsules)")
+        if y is not None:
+            check_array(y, "y (lower capsules)")
 
     def _one_shard(self, x, chain, targets):
         ascent, negatives, stats = self.energy_model.decoder_gradients(x, targets, self.rule)

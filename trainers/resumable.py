@@ -231,14 +231,14 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
     if y is not None and len(y) != len(x):
         raise InputError(f"x and y must have as many examples. Received: {len(x)} and {len(y)}")
     validation = _validation_arrays(validation_data)
-    if hasattr(trainer, "check_inputs"):
-        trainer.check_inputs(x, y)
-        if validation is not None:
-            trainer.check_inputs(*validation[:2])
     if isinstance(trainer, Trainer):      # what its steps would refuse once traced, before any weight moves
         check_batch(trainer, y)
         if validation is not None:
             check_batch(trainer, *validation[1:])
+    if hasattr(trainer, "check_inputs"):
+        trainer.check_inputs(x, y)
+        if validation is not None:
+            trainer.check_inputs(*validation[:2])
     if len(x) == 0:
         raise InputError("The training data is empty. Received: x with 0 examples")
     with trainer.distribute_strategy.scope():
