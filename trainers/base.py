@@ -125,7 +125,8 @@ class Trainer(keras.Model):
         return [g if e is None else g + ops.cast(e, g.dtype) for g, e in zip(gradients, extra)]
 
     def _check_call(self, method, args, kwargs):
-        """Refuse sample or class weights, and arrays (x, y and validation arrays) that `check_inputs` refuses."""
+        """Refuse sample or class weights, and arrays (x, y and validation arrays) that the steps' `check_batch`
+        (a y given or missing) or the trainer's `check_inputs` refuse."""
         given = inspect.signature(method).bind(self, *args, **kwargs).arguments
         if given.get("sample_weight") is not None or given.get("class_weight") is not None:
             raise weighted(self)
