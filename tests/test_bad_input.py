@@ -588,3 +588,50 @@ def test_the_supervised_trainers_fit_refuses_labels_it_would_misread(labels, mes
         trainer.evaluate(x, labels(y), verbose=0)
     with pytest.raises(InputError, match=r"must lie in \[0.0, 1.0\].*divide 8-bit images by 255"):
         trainer.fit((x * 255).astype("uint8"), y, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("make, built_for, other_inputs, activations, transposed", [
+    (lambda: CapsuleDense(3, 4), (2, 5, 6), [(2, 7, 6), (2, 5, 8)], (2, 5), [(2, 4), (5, 2), (2, 5, 1)]),
+    (lambda: CapsuleDense(3, 16, pose="matrix", routing="em"), (2, 5, 16), [(2, 7, 16), (2, 5, 9)], (2, 5),
+     [(2, 4)]),
+    (lambda: ConvCapsules(3, routing="em"), (2, 5, 7, 2, 16), [(2, 5, 7, 3, 16), (2, 5, 7, 2, 9)],
+     (2, 5, 7, 2), [(2, 7, 5, 2), (2, 5, 7, 1)]),
+    (lambda: ConvCapsules(3, 8, pose="vector", routing="dynamic"), (2, 5, 7, 2, 6), [(2, 5, 7, 2, 8)],
+     (2, 5, 7, 2), [(2, 7, 5, 2)]),
+    (lambda: ClassCapsules(4, routing="em"), (2, 5, 7, 2, 16), [(2, 5, 7, 3, 16), (2, 5, 7, 2, 9)],
+     (2, 5, 7, 2), [(2, 7, 5, 2), (2, 70)]),
+])
+def test_capsule_layers_refuse_inputs_and_activations_that_do_not_fit_their_kernel(
+        make, built_for, other_inputs, activations, transposed):
+    """A built capsule layer refuses inputs whose capsule count, types or pose size differ from those its kernel
+    was built for, by its name with both shapes (before: TensorFlow's einsum or reshape error), and activations
+    that are not the inputs' shape without the pose axis. Before, the activations of a transposed map
+    (`[B, W, H, T]` for a 5 x 7 map) were reshaped into place and routed without a word, and the dense layer's
+    `route_linear` path (dynamic routing) skipped the router's activation check. A map's height and width stay
+    free, and a batch size unknown while tracing matches any."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    layer = make()
+    x = rng.uniform(size=built_for).astype("float32")
+    a = rng.uniform(size=activations).astype("float32")
+    expected = tuple(layer(x, a).shape)
+    expected_for = [None] + list(built_for[1:])
+    if len(built_for) == 5:
+        expected_for[1:3] = [None, None]
+    for shape in other_inputs:
+        message = (f"{layer.name} was built for inputs of shape {expected_for} (None: any size). "
+                   f"Received: inputs of shape {list(shape)}")
+        with pytest.raises(InputError, match=re.escape(message)):
+            layer(rng.uniform(size=shape).astype("float32"))
+    for shape in transposed:
+        message = (f"{layer.name}: activations must have the inputs' shape without the pose axis, "
+                   f"{list(built_for[:-1])}. Received: activations of shape {list(shape)}")
+        with pytest.raises(InputError, match=re.escape(message)):
+            layer(x, rng.uniform(size=shape).astype("float32"))
+    signature = [tf.TensorSpec([None, *built_for[1:]]), tf.TensorSpec([None, *activations[1:]])]
+    traced = tf.function(layer, input_signature=signature)
+    assert tuple(traced(x, a).shape) == expected
+    if len(built_for) == 5:   # another height and width: the kernel is shared over positions
+        wider = rng.uniform(size=(2, 6, 6, *built_for[3:])).astype("float32")
+        assert layer(wider, rng.uniform(size=(2, 6, 6, built_for[3])).astype("float32")).shape[0] == 2

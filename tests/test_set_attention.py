@@ -137,6 +137,19 @@ def test_residual_width_is_checked():
         InducedSetAttention(units=8, heads=2, inducing=3)(np.zeros((2, 5, 4), "float32"))
 
 
+def test_residual_width_is_checked_on_every_call_not_only_at_build():
+    """Once built, the blocks refused another width only by TensorFlow's reshape error from inside Keras'
+    attention (before)."""
+    isab = InducedSetAttention(units=8, heads=2, inducing=3)
+    mab = MultiheadAttentionBlock(units=8, heads=2)
+    assert isab(np.zeros((2, 5, 8), "float32")).shape == (2, 5, 8)
+    assert mab(np.zeros((2, 5, 8), "float32"), np.zeros((2, 4, 3), "float32")).shape == (2, 5, 8)
+    with pytest.raises(InputError, match=r"`units` = 8 features.*Received: shape=\(2, 5, 6\)"):
+        isab(np.zeros((2, 5, 6), "float32"))
+    with pytest.raises(InputError, match=r"`units` = 8 features.*Received: shape=\(2, 5, 6\)"):
+        mab(np.zeros((2, 5, 6), "float32"), np.zeros((2, 4, 3), "float32"))
+
+
 def test_config_round_trip_with_non_default_values():
     for layer in (MultiheadAttentionBlock(units=12, heads=3, name="m"),
                   InducedSetAttention(units=12, heads=3, inducing=5, name="i"),

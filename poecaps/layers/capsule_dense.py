@@ -6,7 +6,7 @@ from keras import ops
 from poecaps import routing as routing_lib
 from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
-from poecaps.validation import check_choice, check_flag, check_integers
+from poecaps.validation import check_choice, check_flag, check_integers, sizes_fit
 
 POSES = ("vector", "matrix")
 
@@ -33,9 +33,38 @@ def kernel_shape(num_in, num_out, out_dim, in_dim, pose):
     return (num_in, num_out, out_dim, in_dim)
 
 
+def check_capsule_inputs(layer, inputs_shape, expected, activations_shape=None):
+    """Raise `InputError` unless a built capsule layer's inputs fit its kernel.
+
+    `expected` is the inputs' shape the kernel was built for, None where any
+    size fits (the batch; a map's height and width); the activations, when
+    given, must be the inputs' shape without the pose axis (`[B, I]` for
+    `[B, I, D]`, `[B, H, W, T]` for `[B, H, W, T, D]`). Sizes unknown while
+    tracing (None) fit any. Without this check a kernel of another size fails
+    inside TensorFlow's einsum, and activations of a transposed map (`[B, W,
+    H, T]` for `H != W`) are reshaped into place without a word.
+    """
+    inputs_shape = tuple(inputs_shape)
+    if len(inputs_shape) != len(expected) or not all(map(sizes_fit, inputs_shape, expected)):
+        raise InputError(f"{layer.name} was built for inputs of shape {list(expected)} (None: any size). "
+                         f"Received: inputs of shape {list(inputs_shape)}")
+    if activations_shape is None:
+        return
+    activations_shape = tuple(activations_shape)
+    if len(activations_shape) != len(inputs_shape) - 1 or not all(
+            map(sizes_fit, activations_shape, inputs_shape[:-1])):
+        raise InputError(f"{layer.name}: activations must have the inputs' shape without the pose axis, "
+                         f"{list(inputs_shape[:-1])}. Received: activations of shape {list(activations_shape)}")
+
+
 def frobenius_normalized(kernel, epsilon=1e-7):
     """Each transformation matrix over its Frobenius norm: `W_ij / |W_ij|_F` (last two axes)."""
     return kernel / ops.sqrt(ops.sum(ops.square(kernel), axis=(-2, -1), keepdims=True) + epsilon)
+
+
+def input_pose_dim(kernel, pose):
+    """D_in, the pose size of the capsules a kernel reads: `W`'s last axis, squared for matrix poses."""
+    return kernel.shape[-1] ** (2 if pose == "matrix" else 1)
 
 
 def capsule_votes(inputs, kernel, pose="vector"):
@@ -139,6 +168,8 @@ class CapsuleDense(keras.layers.Layer):
         """The whole `RoutingResult` (poses, activations, coefficients)."""
         if not self.built:
             self.build(tuple(inputs.shape))
+        check_capsule_inputs(self, inputs.shape, (None, self.kernel.shape[0], input_pose_dim(self.kernel, self.pose)),
+                             None if activations is None else activations.shape)
         if (self.pose == "vector" and hasattr(self.routing, "route_linear")
                 and self.num_capsules <= self.kernel.shape[0]):
             return self.routing.route_linear(inputs, self.voting_kernel(), activations)

@@ -14,7 +14,9 @@ from poecaps.chunks import map_in_chunks
 from poecaps.errors import InputError
 from poecaps.layers.capsule_dense import (
     capsule_votes,
+    check_capsule_inputs,
     frobenius_normalized,
+    input_pose_dim,
     kernel_shape,
     pose_size,
 )
@@ -139,6 +141,9 @@ class ConvCapsules(_CapsuleMapLayer):
     def route(self, inputs, activations=None, training=None):
         if not self.built:
             self.build(tuple(inputs.shape))
+        types = self.kernel.shape[0] // (self.kernel_size * self.kernel_size)
+        check_capsule_inputs(self, inputs.shape, (None, None, None, types, input_pose_dim(self.kernel, self.pose)),
+                             None if activations is None else activations.shape)
         patches = capsule_patches(inputs, self.kernel_size, self.strides)
         _, out_h, out_w, num_in, dim = patches.shape
         folded = ops.reshape(patches, (-1, num_in, dim))
@@ -226,6 +231,9 @@ class ClassCapsules(_CapsuleMapLayer):
     def route(self, inputs, activations=None, training=None):
         if not self.built:
             self.build(tuple(inputs.shape))
+        check_capsule_inputs(self, inputs.shape, (None, None, None, self.kernel.shape[0],
+                                                     input_pose_dim(self.kernel, self.pose)),
+                             None if activations is None else activations.shape)
         _, h, w, types, dim = inputs.shape
         flat = ops.reshape(inputs, (-1, h * w, types, dim))
         # [B, P, T, D] with W [T, J, ...]: every position votes with its type's matrices.

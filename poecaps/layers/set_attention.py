@@ -73,6 +73,7 @@ class MultiheadAttentionBlock(keras.layers.Layer):
         self.norm2.build(x_shape)
 
     def call(self, x, y):
+        _check_width(x.shape, self.units, self)
         h = self.norm1(x + self.attention(x, y, y))
         return self.norm2(h + self.feed_forward(h))
 
@@ -123,6 +124,7 @@ class InducedSetAttention(keras.layers.Layer):
         self.broadcast.build(input_shape, summary_shape)
 
     def call(self, x):
+        _check_width(x.shape, self.units, self)
         points = ops.repeat(self.points, ops.shape(x)[0], axis=0)
         return self.broadcast(x, self.summarise(points, x))
 
