@@ -147,15 +147,16 @@ def check_images(images, name="images", image_shape=None, channels=None):
     return check_array(images, name, tuple(image_shape), 0.0, 1.0, "pixels")
 
 
-def check_image_batch(images, image_size, owner):
-    """Refuse, with an `InputError` naming `owner`, images (array or tensor) not `[B, H, W, 1]` of `image_size`.
+def check_image_batch(images, image_size, owner, channels=1):
+    """Refuse, with an `InputError` naming `owner`, images (array or tensor) not `[B, H, W, C]` of `image_size`
+    (H, W) and `channels` (C).
 
     A check of the static shape: it also runs while a graph is traced, and dimensions unknown then pass.
     """
     shape = tuple(getattr(images, "shape", None) or np.shape(images))
-    expected = (*image_size, 1)
-    if len(shape) != 4 or any(s is not None and s != e for s, e in zip(shape[1:], expected)):
-        raise InputError(f"{owner} takes images of shape [batch, {image_size[0]}, {image_size[1]}, 1]. "
+    expected = (*image_size, channels)
+    if len(shape) != 4 or not all(map(sizes_fit, shape[1:], expected)):
+        raise InputError(f"{owner} takes images of shape [batch, {image_size[0]}, {image_size[1]}, {channels}]. "
                          f"Received: shape={shape}")
 
 

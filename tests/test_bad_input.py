@@ -635,3 +635,45 @@ def test_capsule_layers_refuse_inputs_and_activations_that_do_not_fit_their_kern
     if len(built_for) == 5:   # another height and width: the kernel is shared over positions
         wider = rng.uniform(size=(2, 6, 6, *built_for[3:])).astype("float32")
         assert layer(wider, rng.uniform(size=(2, 6, 6, built_for[3])).astype("float32")).shape[0] == 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: CapsNet((14, 14, 1), 3, conv_filters=4, primary_types=2, kernel_size=3),
+    lambda: MatrixCapsNet((28, 28, 1), 3, a=8, b=2, c=2, d=2),
+    lambda: RoutingCapsNet((28, 28, 1), 3, filters=8, primary_types=2, conv_types=2),
+], ids=["CapsNet", "MatrixCapsNet", "RoutingCapsNet"])
+def test_the_classifiers_refuse_images_of_another_shape_than_their_image_shape(make):
+    """Before, a MatrixCapsNet built for 28 x 28 images classified 40 x 40 ones without a word, and the others
+    failed with a Keras layer's or TensorFlow's message; the batch size stays free, also while tracing."""
+    import tensorflow as tf
+
+    network = make()
+    h, w, c = network.image_shape
+    rng = np.random.default_rng(0)
+    for shape in [(2, h + 12, w + 12, c), (2, h, w, 3), (h, w, c)]:
+        message = f"{type(network).__name__} takes images of shape [batch, {h}, {w}, {c}]. Received: shape={shape}"
+        with pytest.raises(InputError, match=re.escape(message)):
+            network(rng.uniform(size=shape).astype("float32"))
+    traced = tf.function(network, input_signature=[tf.TensorSpec([None, h, w, c])])
+    assert tuple(traced(rng.uniform(size=(3, h, w, c)).astype("float32"))["scores"].shape) == (3, 3)
+
+
+def test_a_built_autoencoder_refuses_images_and_codes_of_another_size():
+    """The decoder's output padding holds for the image size built for: before, a ConvAutoencoder built on
+    28 x 28 images turned 29 x 29 ones into 30 x 30 reconstructions without a word, and a code with other
+    channels or a single image failed inside TensorFlow."""
+    autoencoder = ConvAutoencoder(filters=8, seed=0)
+    with pytest.raises(InputError, match=r"is not built: it learns its code's shape from images"):
+        autoencoder.decode(np.zeros((2, 6, 6, 8), "float32"))
+    with pytest.raises(InputError, match=r"takes images of shape \[batch, height, width, channels\] with known sizes"):
+        ConvAutoencoder(filters=8)(np.zeros((28, 28, 1), "float32"))
+    rng = np.random.default_rng(0)
+    images = rng.uniform(size=(2, 28, 28, 1)).astype("float32")
+    assert tuple(autoencoder(images).shape) == (2, 28, 28, 1)
+    for shape in [(2, 29, 29, 1), (2, 32, 32, 1), (2, 28, 28, 3), (28, 28, 1)]:
+        message = f"{autoencoder.name} takes images of shape [batch, 28, 28, 1]. Received: shape={shape}"
+        with pytest.raises(InputError, match=re.escape(message)):
+            autoencoder(rng.uniform(size=shape).astype("float32"))
+    with pytest.raises(InputError, match=re.escape("decodes codes of shape [batch, 6, 6, 8]. Received: shape=(2, 6, 6, 4)")):
+        autoencoder.decode(np.zeros((2, 6, 6, 4), "float32"))
+    assert tuple(autoencoder.decode(autoencoder.encode(images)).shape) == (2, 28, 28, 1)

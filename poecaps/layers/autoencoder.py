@@ -5,7 +5,13 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.validation import check_integers, check_number, check_seed
+from poecaps.validation import (
+    check_image_batch,
+    check_integers,
+    check_number,
+    check_seed,
+    sizes_fit,
+)
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -46,6 +52,9 @@ class ConvAutoencoder(keras.layers.Layer):
         self.seed_generator = keras.random.SeedGenerator(seed)
 
     def build(self, input_shape):
+        if len(input_shape) != 4 or None in input_shape[1:]:
+            raise InputError(f"ConvAutoencoder takes images of shape [batch, height, width, channels] with known "
+                             f"sizes. Received: input_shape={tuple(input_shape)}")
         h, w, c = input_shape[1:]
         k, f, s = self.kernel_size, self.filters, self.strides
         h1, w1 = h - k + 1, w - k + 1
@@ -72,6 +81,8 @@ class ConvAutoencoder(keras.layers.Layer):
     def encode(self, images, training=False):
         if not self.built:
             self.build(tuple(images.shape))
+        # The decoder's output padding holds for the size built for; another size decodes to a wrong one.
+        check_image_batch(images, self.image_shape[:2], self.name, self.image_shape[2])
         x = self._act(ops.conv(images, self.kernel1, padding="valid") + self.bias1)
         x = self._dropout(x, training)
         x = self._act(ops.conv(x, self.kernel2, strides=self.strides, padding="valid") + self.bias2)
@@ -88,6 +99,13 @@ class ConvAutoencoder(keras.layers.Layer):
         return ops.where(noise >= self.dropout, x / (1.0 - self.dropout), ops.zeros_like(x))
 
     def decode(self, code):
+        if not self.built:
+            raise InputError(f"{self.name} is not built: it learns its code's shape from images (call it on images "
+                             f"or build it with their shape first)")
+        shape = tuple(code.shape)
+        if len(shape) != 4 or not all(map(sizes_fit, shape[1:], self.code_shape)):
+            raise InputError(f"{self.name} decodes codes of shape [batch, {', '.join(map(str, self.code_shape))}]. "
+                             f"Received: shape={shape}")
         # Tied weights: the encoder's kernels, used transposed.
         x = ops.conv_transpose(code, self.kernel2, strides=self.strides, padding="valid",
                                output_padding=self._output_padding)

@@ -9,7 +9,13 @@ from poecaps import losses
 from poecaps.errors import InputError
 from poecaps.layers import CapsuleDense, PrimaryCapsules
 from poecaps.routing import DynamicRouting
-from poecaps.validation import check_flag, check_integer, check_integers, check_seed
+from poecaps.validation import (
+    check_flag,
+    check_image_batch,
+    check_integer,
+    check_integers,
+    check_seed,
+)
 
 
 def check_classifier_arguments(image_shape, num_classes, convolutions=()):
@@ -118,6 +124,7 @@ class CapsNet(keras.Model):
 
     def encode(self, images, training=None):
         """Class capsules: a `RoutingResult` with poses `[B, K, 16]` and lengths `[B, K]`."""
+        check_image_batch(images, self.image_shape[:2], type(self).__name__, self.image_shape[2])
         code = self.primary_conv(self.conv1(images))
         return self.class_capsules.route(self.primary(code), training=training)
 

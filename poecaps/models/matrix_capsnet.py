@@ -8,7 +8,7 @@ from poecaps.initializers import NearIdentity
 from poecaps.layers import ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
 from poecaps.routing import EMRouting
-from poecaps.validation import check_flag, check_integer, check_integers
+from poecaps.validation import check_flag, check_image_batch, check_integer, check_integers
 
 # Lower capsules per chunk in the convolutional capsule layers: the chunk's
 # votes, 1024 x J x 16 floats, stay in the CPU's caches (bench/em_step.py).
@@ -99,6 +99,7 @@ class MatrixCapsNet(keras.Model):
         return [self.conv_caps1.routing, self.conv_caps2.routing, self.class_capsules.routing]
 
     def encode(self, images, training=None):
+        check_image_batch(images, self.image_shape[:2], type(self).__name__, self.image_shape[2])
         features = self.conv1(images)
         if self.norm is not None:
             features = self.norm(features, training=training)

@@ -11,7 +11,14 @@ from poecaps.errors import InputError
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
 from poecaps.models.capsnet import check_classifier_arguments
-from poecaps.validation import check_choice, check_integer, check_integers, check_number, check_seed
+from poecaps.validation import (
+    check_choice,
+    check_image_batch,
+    check_integer,
+    check_integers,
+    check_number,
+    check_seed,
+)
 
 LOSSES = ("cross_entropy", "scaled_cross_entropy", "spread", "margin")
 # the unpadded convolutions (kernel, stride), bottom up: conv1, primary capsules, ConvCaps1, ConvCaps2
@@ -190,6 +197,7 @@ class RoutingCapsNet(keras.Model):
 
     def encode(self, images, training=None):
         """The class layer's `RoutingResult` (poses `[B, K, 16]`, activations `[B, K]`)."""
+        check_image_batch(images, self.image_shape[:2], type(self).__name__, self.image_shape[2])
         poses, act = self.primary(self.batch_norm(self.conv1(images), training=training))
         r1 = self.conv_caps1.route(frobenius_unit(poses), act, training=training)
         r2 = self.conv_caps2.route(frobenius_unit(r1.poses), r1.activations, training=training)
