@@ -293,6 +293,15 @@ def test_inference_builds_the_layer_and_wrong_children_are_refused(rng):
         layer(keras.Input((23, 4)))
     with pytest.raises(InputError, match=r"children must be \[batch, children, 4\]"):
         layer.posterior(tf.zeros((2, 24, 5)), tf.zeros((2, 3, 4)))
+    # generating: parents' poses [B, J, D_p] and a seed pair (before: einsum's and the stateless ops' errors)
+    assert layer.generate(tf.zeros((2, 3, 4)), [1, 2])[0].shape == (2, 24, 4)
+    for poses in [(2, 4, 4), (2, 3, 5), (3, 4)]:
+        with pytest.raises(InputError, match=re.escape(f"v must be the parents' poses [batch, 3, 4]. Received: "
+                                                       f"shape={poses}")):
+            layer.generate(tf.zeros(poses), [1, 2])
+    for seed in (3, [1, 2, 3]):
+        with pytest.raises(InputError, match="seed must be a pair of integers"):
+            layer.generate(tf.zeros((2, 3, 4)), seed)
 
 
 def test_the_trainer_raises_the_bound_on_children_of_another_layer(rng):

@@ -1,6 +1,7 @@
 """The probabilistic capsule model (Smith et al.): binary Concrete, compositing, the exact parent marginal."""
 
 import math
+import re
 
 import keras
 import numpy as np
@@ -799,3 +800,44 @@ def test_localisation_takes_the_attention_entropies_from_the_training_objective_
     assert ProbabilisticCapsuleAutoencoder.from_config(local.get_config()).localisation == 0.5
     with pytest.raises(InputError, match="localisation"):
         ProbabilisticCapsuleAutoencoder(generative, localisation=-1.0, **sizes)
+
+
+def test_latents_that_do_not_fit_the_model_are_refused_by_name():
+    """`log_prob`, `route`, `render` and their terms name the latent whose shape does not fit (before: TensorFlow's
+    broadcasting or reshape error from deep inside), and latents of different batch sizes; `generate` refuses a
+    batch size that is not an integer >= 1 (before: TensorFlow's errors, and 0 drew an empty batch). A batch size
+    unknown while tracing fits any."""
+    model, latents = _model_and_state()
+    images = tf.constant(np.random.default_rng(0).uniform(size=(2, 16, 16, 1)).astype("float32"))
+    names = ["top_presence", "top_pose", "part_presence", "part_pose"]
+    wrong = {"images": (2, 14, 14, 1), "top_presence": (2, 4), "top_pose": (2, 3, 5), "part_presence": (2, 3),
+             "part_pose": (2, 5, 6)}
+    expected = {"images": "[batch, 16, 16, 1]", "top_presence": "[batch, 3]", "top_pose": "[batch, 3, 6]",
+                "part_presence": "[batch, 4]", "part_pose": "[batch, 4, 6]"}
+    uses = {"log_prob": (lambda x, *z: model.log_prob(x, *z), ["images", *names]),
+            "route": (lambda x, *z: model.route(*z), names),
+            "part_marginal_log_likelihood": (lambda x, *z: model.part_marginal_log_likelihood(*z), names),
+            "render": (lambda x, *z: model.render(*z[2:]), names[2:]),
+            "call": (lambda x, *z: model(*z[2:]), names[2:]),
+            "top_log_prior": (lambda x, *z: model.top_log_prior(*z[:2]), names[:2]),
+            "image_log_likelihood": (lambda x, *z: model.image_log_likelihood(x, *z[2:]), ["images", *names[2:]])}
+    for use, checked in uses.values():
+        use(images, *latents)
+        for name in checked:
+            given = dict(zip(["images", *names], [images, *latents]))
+            given[name] = tf.zeros(wrong[name])
+            message = f"{name} must be {expected[name]} (K = 3 top capsules, N = 4 parts). Received: shape={wrong[name]}"
+            with pytest.raises(InputError, match=re.escape(message)):
+                use(*given.values())
+        given = [images, *latents]
+        first = ["images", *names].index(checked[0])
+        given[first] = tf.concat([given[first], given[first][:1]], axis=0)
+        with pytest.raises(InputError, match="must share one batch size"):
+            use(*given)
+    signature = [tf.TensorSpec([None, *t.shape[1:]]) for t in [images, *latents]]
+    assert tuple(tf.function(model.log_prob, input_signature=signature)(images, *latents).shape) == (2,)
+    for batch_size in (0, -1, 2.5, True):
+        with pytest.raises(InputError, match=re.escape(f"batch_size must be an integer >= 1. Received: "
+                                                       f"batch_size={batch_size}")):
+            model.generate(batch_size)
+    assert model.generate(np.int64(2))["images"].shape == (2, 16, 16, 1)

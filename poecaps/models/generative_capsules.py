@@ -11,7 +11,7 @@ import tensorflow as tf
 from poecaps import distribute, vmf
 from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integer, check_number, check_seed
+from poecaps.validation import check_integer, check_number, check_seed, sizes_fit
 
 _TINY = 1e-9
 
@@ -241,9 +241,15 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         """
         self._require_built()
         v = tf.convert_to_tensor(v)
+        if v.shape.rank != 3 or not all(map(sizes_fit, v.shape[1:], (self.num_parents, self.parent_dim))):
+            raise InputError(f"v must be the parents' poses [batch, {self.num_parents}, {self.parent_dim}]. "
+                             f"Received: shape={tuple(v.shape)}")
         dtype = v.dtype
         params = self._parameters(dtype)
         seed = tf.convert_to_tensor(seed, tf.int32)
+        if seed.shape != (2,):
+            raise InputError(f"seed must be a pair of integers (stateless draws). Received: seed of shape "
+                             f"{tuple(seed.shape)}")
         batch, num_in = tf.shape(v)[0], self.maps.shape[0]
         logits = tf.broadcast_to(params["log_pi"], (batch, num_in, self.num_parents))
         s = tf.random.stateless_categorical(tf.reshape(logits, (-1, self.num_parents)), 1, seed)[:, 0]

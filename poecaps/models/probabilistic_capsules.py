@@ -60,8 +60,16 @@ import numpy as np
 import tensorflow as tf
 
 from poecaps import compositing, concrete, distribute
+from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_image_size, check_integers, check_number, check_seed
+from poecaps.validation import (
+    check_image_size,
+    check_integer,
+    check_integers,
+    check_number,
+    check_seed,
+    sizes_fit,
+)
 
 _IDENTITY = compositing.IDENTITY
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -113,6 +121,28 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
         self.spread_raw = self.add_weight(name="spread_raw", shape=(k, n), initializer=const(np.full((k, n), spread)))
         self.built = True
 
+    def _check_latents(self, **latents):
+        """Refuse, with an `InputError`, latents or images whose static shapes do not fit the model.
+
+        `top_presence [B, K]`, `top_pose [B, K, 6]`, `part_presence [B, N]`,
+        `part_pose [B, N, 6]`, `images [B, H, W, 1]`, one batch size B for
+        all. Sizes unknown while tracing (None) fit any.
+        """
+        k, n = self.num_top, self.num_parts
+        expected = {"top_presence": (k,), "top_pose": (k, 6), "part_presence": (n,), "part_pose": (n, 6),
+                    "images": (*self.image_size, 1)}
+        batches = {}
+        for name, value in latents.items():
+            shape = tuple(getattr(value, "shape", None) or np.shape(value))
+            want = expected[name]
+            if len(shape) != len(want) + 1 or not all(map(sizes_fit, shape[1:], want)):
+                raise InputError(f"{name} must be [batch, {', '.join(map(str, want))}] (K = {k} top capsules, "
+                                 f"N = {n} parts). Received: shape={shape}")
+            if shape[0] is not None:
+                batches[name] = shape[0]
+        if len(set(batches.values())) > 1:
+            raise InputError(f"the latents and images must share one batch size. Received: batch sizes {batches}")
+
     # -- the global parameters, constrained ------------------------------------------------------------
     def templates(self):
         """Intensities and alphas `[N, s, s, 2]` in (0, 1)."""
@@ -163,6 +193,8 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
         (index 0 the dummy: identity pose, always on); coefficients sum to 1
         over the parents.
         """
+        self._check_latents(top_presence=top_presence, top_pose=top_pose, part_presence=part_presence,
+                           part_pose=part_pose)
         joint = self.parent_log_weights(top_presence) + self.part_log_likelihoods(top_pose, part_presence, part_pose)
         posterior = tf.nn.softmax(joint, axis=-1)
         poses = tf.concat([tf.zeros_like(top_pose[:, :1]), top_pose], axis=1) + tf.constant(_IDENTITY, top_pose.dtype)
@@ -171,11 +203,14 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
 
     def part_marginal_log_likelihood(self, top_presence, top_pose, part_presence, part_pose):
         """`log p(t_j, P_j | top) [B, N]` with the parent choice summed out (supplement eq. 9)."""
+        self._check_latents(top_presence=top_presence, top_pose=top_pose, part_presence=part_presence,
+                           part_pose=part_pose)
         return tf.reduce_logsumexp(self.parent_log_weights(top_presence)
                                    + self.part_log_likelihoods(top_pose, part_presence, part_pose), axis=-1)
 
     def render(self, part_presence, part_pose):
         """The mean image `[B, H, W, 1]`: templates warped by `I + A_j`, alphas times `t_j`, composited."""
+        self._check_latents(part_presence=part_presence, part_pose=part_pose)
         pose = part_pose + tf.constant(_IDENTITY, part_pose.dtype)
         drawn = compositing.warp(self.templates(), pose, self.image_size)               # [B, N, H, W, 2]
         alphas = drawn[..., 1:] * part_presence[:, :, None, None, None]
@@ -183,11 +218,13 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
 
     def top_log_prior(self, top_presence, top_pose):
         """`log p(t_i) + log N(A_i; 0, I)` summed over the top capsules: `[B]`."""
+        self._check_latents(top_presence=top_presence, top_pose=top_pose)
         presence = concrete.log_prob(top_presence, self.top_logits[None], self.temperature)
         return tf.reduce_sum(presence, -1) + tf.reduce_sum(_gaussian_log_prob(top_pose, 0.0, tf.ones_like(top_presence)), -1)
 
     def image_log_likelihood(self, images, part_presence, part_pose):
         """`log N(X; render, sigma^2)` over the pixels: `[B]` (eq. 7)."""
+        self._check_latents(images=images, part_presence=part_presence, part_pose=part_pose)
         mean = self.render(part_presence, part_pose)
         std = tf.fill(tf.shape(images)[:1], tf.constant(self.sigma, images.dtype))
         pixels = self.image_size[0] * self.image_size[1]
@@ -202,6 +239,8 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
             top_presence: `[B, K]` in (0, 1); top_pose: `A_i [B, K, 6]`.
             part_presence: `[B, N]` in (0, 1); part_pose: `A_j [B, N, 6]` (pose `I + A_j`).
         """
+        self._check_latents(images=images, top_presence=top_presence, top_pose=top_pose,
+                           part_presence=part_presence, part_pose=part_pose)
         return (self.top_log_prior(top_presence, top_pose)
                 + tf.reduce_sum(self.part_marginal_log_likelihood(top_presence, top_pose, part_presence, part_pose), -1)
                 + self.image_log_likelihood(images, part_presence, part_pose))
@@ -215,6 +254,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
         Keys: `top_presence [B, K]` and `part_presence [B, N]` in {0, 1},
         `top_pose`, `part_pose` (the `A`s), `parents [B, N]` (0 the dummy).
         """
+        batch_size = check_integer(batch_size, "batch_size")
         seeds = tf.random.experimental.stateless_split(tf.constant([self.seed, check_seed(seed)], tf.int64), 7)
         k, n, dtype = self.num_top, self.num_parts, self.top_logits.dtype
         top_presence = tf.cast(tf.random.stateless_uniform([batch_size, k], seeds[0], dtype=dtype)
