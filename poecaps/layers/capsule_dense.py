@@ -120,7 +120,7 @@ class CapsuleDense(keras.layers.Layer):
 
     Example:
     >>> layer = CapsuleDense(10, 16, routing="dynamic")
-    >>> layer(keras.random.normal((2, 32, 8))).shape
+    >>> tuple(layer(keras.random.normal((2, 32, 8))).shape)
     (2, 10, 16)
     """
 

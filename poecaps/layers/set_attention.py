@@ -49,7 +49,7 @@ class MultiheadAttentionBlock(keras.layers.Layer):
 
     Example:
         >>> block = MultiheadAttentionBlock(units=8, heads=2)
-        >>> block(ops.ones((3, 5, 8)), ops.ones((3, 7, 4))).shape
+        >>> tuple(block(ops.ones((3, 5, 8)), ops.ones((3, 7, 4))).shape)
         (3, 5, 8)
     """
 
@@ -105,7 +105,7 @@ class InducedSetAttention(keras.layers.Layer):
         `[B, n, units]`.
 
     Example:
-        >>> InducedSetAttention(units=8, heads=2, inducing=3)(ops.ones((2, 5, 8))).shape
+        >>> tuple(InducedSetAttention(units=8, heads=2, inducing=3)(ops.ones((2, 5, 8))).shape)
         (2, 5, 8)
     """
 
@@ -154,7 +154,7 @@ class AttentionPooling(keras.layers.Layer):
         `[B, seeds, units]`.
 
     Example:
-        >>> AttentionPooling(units=8, heads=2, seeds=1)(ops.ones((2, 5, 3))).shape
+        >>> tuple(AttentionPooling(units=8, heads=2, seeds=1)(ops.ones((2, 5, 3))).shape)
         (2, 1, 8)
     """
 

@@ -79,7 +79,7 @@ class ConnectionistRouting(Routing):
 
     Example:
     >>> routing = ConnectionistRouting(iterations=3, units=16, compatibility_hidden=(32, 32))
-    >>> routing(keras.random.normal((2, 18, 5, 16))).poses.shape
+    >>> tuple(routing(keras.random.normal((2, 18, 5, 16))).poses.shape)
     (2, 5, 16)
     """
 

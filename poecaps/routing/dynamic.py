@@ -58,7 +58,7 @@ class DynamicRouting(Routing):
     Example:
     >>> routing = DynamicRouting(iterations=3, agreement="cosine")
     >>> result = routing(keras.random.normal((2, 6, 3, 4)))
-    >>> result.poses.shape
+    >>> tuple(result.poses.shape)
     (2, 3, 4)
 
     `route_linear(x, W)` gives the same result for linear votes

@@ -71,7 +71,7 @@ class EMRouting(Routing):
 
     Example:
     >>> routing = EMRouting(iterations=3)
-    >>> routing(keras.random.normal((2, 18, 5, 16))).poses.shape
+    >>> tuple(routing(keras.random.normal((2, 18, 5, 16))).poses.shape)
     (2, 5, 16)
     """
 

@@ -109,7 +109,7 @@ class SimilarityRouting(Routing):
 
     Example:
     >>> routing = SimilarityRouting(iterations=3, num_kernels=4)
-    >>> routing(keras.random.normal((2, 18, 5, 16))).poses.shape
+    >>> tuple(routing(keras.random.normal((2, 18, 5, 16))).poses.shape)
     (2, 5, 16)
     """
 
