@@ -1,9 +1,11 @@
 """The Bernoulli restricted Boltzmann machine: the classic model of the tradition."""
 
 import keras
+import numpy as np
 from keras import ops
 
 from poecaps import distribute
+from poecaps.errors import InputError
 from poecaps.experts import EnergyModel
 from poecaps.validation import check_integer, check_seed
 
@@ -48,15 +50,28 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
         self.hidden_bias = self.add_weight(name="hidden_bias", shape=(self.num_hidden,),
                                            initializer="zeros")
 
+    def _check_units(self, x, kind):
+        """Refuse, naming both sizes, an `x` whose last axis is not as wide as the `kind` ("visible" or "hidden")
+        units; the layer is built for visible units first. Static shapes: unknown sizes fit any."""
+        shape = tuple(getattr(x, "shape", None) or np.shape(x))
+        if kind == "visible" and not self.built:
+            self.build(shape)
+        units = self.kernel.shape[0] if kind == "visible" else self.num_hidden
+        if not shape or shape[-1] not in (units, None):
+            raise InputError(f"{self.name} has {units} {kind} units. Received: {kind} units of shape {shape}")
+
     def p_on(self, v):
+        self._check_units(v, "visible")
         return ops.sigmoid(ops.matmul(v, self.kernel) + self.hidden_bias)
 
     def visible_probabilities(self, h):
+        self._check_units(h, "hidden")
         return ops.sigmoid(ops.matmul(h, ops.transpose(self.kernel)) + self.visible_bias)
 
     def free_energy(self, v):
         # A NumPy `v` on the left of `*` would turn the bias into a constant.
         v = ops.convert_to_tensor(v, self.compute_dtype)
+        self._check_units(v, "visible")
         return (-ops.sum(v * self.visible_bias, axis=-1)
                 - ops.sum(ops.softplus(ops.matmul(v, self.kernel) + self.hidden_bias), axis=-1))
 

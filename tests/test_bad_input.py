@@ -677,3 +677,24 @@ def test_a_built_autoencoder_refuses_images_and_codes_of_another_size():
     with pytest.raises(InputError, match=re.escape("decodes codes of shape [batch, 6, 6, 8]. Received: shape=(2, 6, 6, 4)")):
         autoencoder.decode(np.zeros((2, 6, 6, 4), "float32"))
     assert tuple(autoencoder.decode(autoencoder.encode(images)).shape) == (2, 28, 28, 1)
+
+
+def test_the_rbm_refuses_units_of_another_width_by_name():
+    """`p_on`, `free_energy`, `gibbs`, `reconstruct`, the call and `visible_probabilities` name the RBM's width
+    and the shape given (before: TensorFlow's matmul error, or an AttributeError on an RBM not yet built, which
+    now builds for the visible units it is first given). A width unknown while tracing fits any."""
+    import tensorflow as tf
+
+    rbm = BernoulliRBM(5, seed=0)
+    assert tuple(rbm.free_energy(np.ones((2, 7), "float32")).shape) == (2,)      # builds for 7 visible units
+    visible = [rbm.p_on, rbm.free_energy, rbm.gibbs, rbm.reconstruct, rbm]
+    for use in visible:
+        assert use(np.ones((2, 7), "float32")).shape[0] == 2
+        for shape in [(2, 6), (2, 8), ()]:
+            with pytest.raises(InputError, match=re.escape(f"has 7 visible units. Received: visible units of shape "
+                                                           f"{shape}")):
+                use(np.ones(shape, "float32"))
+    with pytest.raises(InputError, match=re.escape("has 5 hidden units. Received: hidden units of shape (2, 7)")):
+        rbm.visible_probabilities(np.ones((2, 7), "float32"))
+    traced = tf.function(rbm.p_on, input_signature=[tf.TensorSpec([None, None])])
+    assert tuple(traced(np.ones((3, 7), "float32")).shape) == (3, 5)
