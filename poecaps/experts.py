@@ -12,7 +12,7 @@ from keras import ops
 from poecaps import distribute, energy
 from poecaps.capsules import squash, unsquash
 from poecaps.errors import InputError
-from poecaps.layers.capsule_dense import CapsuleDense
+from poecaps.layers.capsule_dense import CapsuleDense, check_capsule_inputs
 from poecaps.validation import check_choice, check_integer, check_number
 
 # Rules of the capsule decoder, trained on (upper, lower) pairs (`CapsuleExperts.decoder_gradients`).
@@ -44,6 +44,9 @@ class EnergyModel:
         steps = check_integer(steps, "steps")
         if not self.built:
             self.build(tuple(x.shape))
+        for visible in (x, chain):
+            if visible is not None:
+                self._check_visible(visible)
         sparsity = None if sparsity is None else check_sparsity(sparsity)
         return self._cd_gradients(x, steps, chain, sparsity=sparsity)
 
@@ -108,13 +111,23 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
         """Shape of one example's visible units, `(I, D_in)`."""
         return (self.kernel.shape[0], self.kernel.shape[3])
 
+    def _check_visible(self, x):
+        """Refuse visible capsules that are not `[B, I, D_in]` of the kernel (`check_capsule_inputs`)."""
+        check_capsule_inputs(self, x.shape, (None, *self.visible_shape))
+
     def coefficients(self, x):
         return ops.stop_gradient(self.route(x).coefficients)
 
     def free_energy(self, x, c=None):
+        if not self.built:
+            self.build(tuple(x.shape))
+        self._check_visible(x)
         return energy.free_energy(x, self.kernel, self.coefficients(x) if c is None else c)
 
     def p_on(self, x, c=None):
+        if not self.built:
+            self.build(tuple(x.shape))
+        self._check_visible(x)
         return energy.p_on(x, self.kernel, self.coefficients(x) if c is None else c)
 
     def reconstruct(self, x, steps=1):
@@ -138,6 +151,8 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
         check_choice(rule, "rule", DECODER_RULES)
         if not self.built:
             self.build(tuple(x.shape))
+        self._check_visible(x)
+        check_capsule_inputs(self, lower.shape, (None, self.num_capsules, self.capsule_dim), what="lower capsules")
         cj, zj = self._route_j(x)
         target = ops.transpose(unsquash(lower), (1, 0, 2))
         if rule == "delta":

@@ -60,6 +60,9 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
         if not shape or shape[-1] not in (units, None):
             raise InputError(f"{self.name} has {units} {kind} units. Received: {kind} units of shape {shape}")
 
+    def _check_visible(self, v):
+        self._check_units(v, "visible")
+
     def p_on(self, v):
         self._check_units(v, "visible")
         return ops.sigmoid(ops.matmul(v, self.kernel) + self.hidden_bias)

@@ -698,3 +698,34 @@ def test_the_rbm_refuses_units_of_another_width_by_name():
         rbm.visible_probabilities(np.ones((2, 7), "float32"))
     traced = tf.function(rbm.p_on, input_signature=[tf.TensorSpec([None, None])])
     assert tuple(traced(np.ones((3, 7), "float32")).shape) == (3, 5)
+
+
+def test_the_energy_models_refuse_visible_units_that_do_not_fit_in_every_public_method():
+    """The capsule experts' `free_energy`, `p_on` (also with given coefficients), `cd_gradients` (data and
+    persistent chain) and `decoder_gradients` (upper and lower capsules), and the RBM's `cd_gradients`, name the
+    shape they were built for (before: TensorFlow's einsum or matmul errors from the routing's inner loop)."""
+    rng = np.random.default_rng(0)
+    experts = CapsuleExperts(3, 4)
+    x, bad = rng.uniform(size=(2, 6, 5)).astype("float32"), rng.uniform(size=(2, 7, 5)).astype("float32")
+    assert tuple(experts.free_energy(x).shape) == (2,) and len(experts.cd_gradients(x)[0]) == 1
+    message = re.escape("was built for inputs of shape [None, 6, 5] (None: any size). Received: inputs of shape "
+                        "[2, 7, 5]")
+    for use in [lambda: experts.free_energy(bad), lambda: experts.p_on(bad),
+                lambda: experts.p_on(bad, c=np.full((2, 7, 3), 1 / 3, "float32")),
+                lambda: experts.cd_gradients(bad), lambda: experts.cd_gradients(x, chain=bad)]:
+        with pytest.raises(InputError, match=message):
+            use()
+    decoder = CapsuleExperts(6, 5)
+    upper = rng.uniform(size=(2, 3, 4)).astype("float32")
+    assert len(decoder.decoder_gradients(upper, x, "delta")[0]) == 1
+    with pytest.raises(InputError, match=re.escape("built for lower capsules of shape [None, 6, 5] (None: any size). "
+                                                   "Received: lower capsules of shape [2, 7, 5]")):
+        decoder.decoder_gradients(upper, bad, "delta")
+    with pytest.raises(InputError, match=re.escape("Received: inputs of shape [2, 3, 5]")):
+        decoder.decoder_gradients(rng.uniform(size=(2, 3, 5)).astype("float32"), x, "section41")
+    rbm = BernoulliRBM(3, seed=0)
+    v = rng.uniform(size=(2, 5)).astype("float32")
+    assert len(rbm.cd_gradients(v)[0]) == 3
+    for use in [lambda: rbm.cd_gradients(v[:, :4]), lambda: rbm.cd_gradients(v, chain=v[:, :4])]:
+        with pytest.raises(InputError, match=re.escape("has 5 visible units. Received: visible units of shape (2, 4)")):
+            use()

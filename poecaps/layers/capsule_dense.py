@@ -33,21 +33,22 @@ def kernel_shape(num_in, num_out, out_dim, in_dim, pose):
     return (num_in, num_out, out_dim, in_dim)
 
 
-def check_capsule_inputs(layer, inputs_shape, expected, activations_shape=None):
+def check_capsule_inputs(layer, inputs_shape, expected, activations_shape=None, what="inputs"):
     """Raise `InputError` unless a built capsule layer's inputs fit its kernel.
 
     `expected` is the inputs' shape the kernel was built for, None where any
     size fits (the batch; a map's height and width); the activations, when
     given, must be the inputs' shape without the pose axis (`[B, I]` for
     `[B, I, D]`, `[B, H, W, T]` for `[B, H, W, T, D]`). Sizes unknown while
-    tracing (None) fit any. Without this check a kernel of another size fails
-    inside TensorFlow's einsum, and activations of a transposed map (`[B, W,
-    H, T]` for `H != W`) are reshaped into place without a word.
+    tracing (None) fit any; `what` names the capsules in the message.
+    Without this check a kernel of another size fails inside TensorFlow's
+    einsum, and activations of a transposed map (`[B, W, H, T]` for
+    `H != W`) are reshaped into place without a word.
     """
     inputs_shape = tuple(inputs_shape)
     if len(inputs_shape) != len(expected) or not all(map(sizes_fit, inputs_shape, expected)):
-        raise InputError(f"{layer.name} was built for inputs of shape {list(expected)} (None: any size). "
-                         f"Received: inputs of shape {list(inputs_shape)}")
+        raise InputError(f"{layer.name} was built for {what} of shape {list(expected)} (None: any size). "
+                         f"Received: {what} of shape {list(inputs_shape)}")
     if activations_shape is None:
         return
     activations_shape = tuple(activations_shape)
