@@ -13,8 +13,16 @@ import functools
 import tensorflow as tf
 
 from poecaps.capsules import squash
+from poecaps.errors import InputError
 from poecaps.graphs import graph
-from poecaps.validation import check_choice
+from poecaps.validation import (
+    check_choice,
+    check_flag,
+    check_images,
+    check_integer,
+    check_labels,
+    check_number,
+)
 
 PENALTIES = ("none", "l1", "l2")
 READINGS = ("output_only", "full")
@@ -112,6 +120,14 @@ def toy_states(penalty, reading, u=(-1.0, 5.0, 2.0), target=2.0, steps=500, lear
     Returns:
         `(trajectory [steps + 1, 3], energies [steps + 1])`, float64.
     """
+    check_choice(penalty, "penalty", PENALTIES)
+    check_choice(reading, "reading", READINGS)
+    steps = check_integer(steps, "steps", minimum=0)
+    learning_rate = check_number(learning_rate, "learning_rate", above=0)
+    target = check_number(target, "target")
+    if len(u) != 3:
+        raise InputError(f"u must be the network's three inputs. Received: u={u!r}")
+    u = [check_number(value, "u") for value in u]
     u = tf.constant([u], dtype=tf.float64)
     energy = lambda xs: toy_energy(xs[0], u, target, penalty, reading)
 
@@ -192,9 +208,26 @@ def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, lab
         `lengths` (`|v|` `[B, K]`), `initial_lengths`, `energy`
         (`[steps + 1, B]`) and, with `record_lengths`, `length_trace`
         (`[steps + 1, B, K]`).
+
+    Raises:
+        InputError: for a model that is not a CapsNet, images that are not
+            `[B, *model.image_shape]` finite pixels in [0, 1], labels that
+            are not one integer in `[0, K)` per image, steps < 0, a learning
+            rate <= 0, or a negative `l1` or `label_weight`.
     """
-    run = _compiled_inference(model, steps, float(learning_rate), float(l1), float(label_weight),
-                              labels is not None, record_lengths)
+    from poecaps.models import CapsNet
+
+    if not isinstance(model, CapsNet):
+        raise InputError(f"infer frees the primary and class capsules of a CapsNet. Received: model of type "
+                         f"{type(model).__name__}")
+    steps = check_integer(steps, "steps", minimum=0)
+    learning_rate = check_number(learning_rate, "learning_rate", above=0)
+    l1, label_weight = check_number(l1, "l1", minimum=0), check_number(label_weight, "label_weight", minimum=0)
+    record_lengths = check_flag(record_lengths, "record_lengths")
+    images = check_images(images, "images", model.image_shape)
+    if labels is not None:
+        check_labels(labels, model.num_classes, len(images))
+    run = _compiled_inference(model, steps, learning_rate, l1, label_weight, labels is not None, record_lengths)
     images = tf.convert_to_tensor(images, tf.float32)
     found = run(images, tf.zeros(tf.shape(images)[:1], tf.int32) if labels is None
                 else tf.convert_to_tensor(labels, tf.int32))

@@ -150,6 +150,44 @@ def test_whole_network_inference_starts_at_the_feed_forward_pass(rng):
                                ops.convert_to_numpy(ops.sum(result["lengths"], -1)), rtol=1e-5)
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"steps": -2}, r"steps must be an integer >= 0. Received: steps=-2"),
+    ({"steps": 2.5}, r"steps must be an integer >= 0"),
+    ({"learning_rate": float("nan")}, r"learning_rate must be a finite number > 0"),
+    ({"learning_rate": -1.0}, r"learning_rate must be a finite number > 0. Received: learning_rate=-1.0"),
+    ({"l1": -1.0}, r"l1 must be a finite number >= 0"),
+    ({"label_weight": -1.0}, r"label_weight must be a finite number >= 0"),
+    ({"labels": np.array([0, 1, 2, 5, 0])}, r"labels must lie in \[0, 3\). Received: 0 to 5"),
+    ({"labels": np.array([0, 1])}, r"labels must be one integer per example, shape \[5\]"),
+    ({"labels": np.eye(3)[[0, 1, 2, 0, 1]]}, r"labels must be one integer per example, shape \[5\]"),
+    ({"images": np.zeros((5, 14, 14, 1), "float32")}, r"images must have shape \[N, 12, 12, 1\]"),
+    ({"images": np.full((5, 12, 12, 1), 255.0, "float32")}, r"images must lie in \[0.0, 1.0\]"),
+    ({"record_lengths": "yes"}, r"record_lengths must be True or False"),
+])
+def test_whole_network_inference_refuses_bad_settings_and_inputs(rng, settings, message):
+    """Before, a NaN or negative learning rate and negative weights ran without a word (a negative rate climbs
+    the energy: lengths of about 13), a label outside the classes clamped toward a zero vector, and the rest
+    failed inside the compiled loop (an XLA error for steps < 0)."""
+    model = _tiny_capsnet()
+    arguments = {"images": rng.uniform(size=(5, 12, 12, 1)).astype("float32"), "steps": 2, **settings}
+    with pytest.raises(InputError, match=message):
+        inference.infer(model, **arguments)
+
+
+def test_only_a_capsnet_is_freed_and_the_toy_checks_its_settings():
+    from poecaps.models import MatrixCapsNet
+
+    with pytest.raises(InputError, match="infer frees the primary and class capsules of a CapsNet. Received: model "
+                                         "of type MatrixCapsNet"):
+        inference.infer(MatrixCapsNet((28, 28, 1), 3, a=8, b=2, c=2, d=2), np.zeros((2, 28, 28, 1), "float32"))
+    for settings, message in [({"steps": -1}, "steps must be an integer >= 0"),
+                              ({"learning_rate": 0}, "learning_rate must be a finite number > 0"),
+                              ({"u": (1.0, 2.0)}, "u must be the network's three inputs"),
+                              ({"target": float("nan")}, "target must be a finite number")]:
+        with pytest.raises(InputError, match=message):
+            inference.toy_states("l1", "full", **settings)
+
+
 def test_whole_network_inference_lowers_the_energy_and_obeys_a_clamped_label(rng):
     model = _tiny_capsnet()
     images = rng.uniform(size=(6, 12, 12, 1)).astype("float32")
