@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -133,6 +134,27 @@ def test_config_round_trip_and_bad_arguments():
         SparseInferenceRouting(l1=-1)
     with pytest.raises(InputError, match="Received: penalty='l3'"):
         inference.toy_states("l3", "full")
+
+
+def test_the_routers_inference_refuses_targets_weights_and_activations_that_do_not_fit(rng):
+    """`infer`'s targets must be `[B, J]` and its label weight a finite number >= 0, and `prediction` and `infer`
+    check the activations as the router's call does (before: TensorFlow's broadcasting errors, and a negative or
+    NaN label weight pushed the lengths away from the targets or made them NaN without a word)."""
+    router = SparseInferenceRouting(iterations=3)
+    votes = rng.normal(size=(2, 6, 3, 4)).astype("float32")
+    targets = np.eye(3, dtype="float32")[[0, 1]]
+    assert tuple(router.infer(votes, targets=targets)[0].shape) == (2, 3, 4)
+    for shape in [(2, 4), (3, 3), (2,)]:
+        with pytest.raises(InputError, match=re.escape(f"targets must be [B, J] = [2, 3], one length per parent. "
+                                                       f"Received: targets of shape {list(shape)}")):
+            router.infer(votes, targets=np.ones(shape, "float32"))
+    for weight in (-1.0, float("nan")):
+        with pytest.raises(InputError, match="label_weight must be a finite number >= 0"):
+            router.infer(votes, targets=targets, label_weight=weight)
+    message = re.escape("activations must be [B, I] = [2, 6] for votes [B, I, J, D] of shape [2, 6, 3, 4]")
+    for use in (router.infer, router.prediction):
+        with pytest.raises(InputError, match=message):
+            use(votes, np.ones((2, 7), "float32"))
 
 
 def _tiny_capsnet():

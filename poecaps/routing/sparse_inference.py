@@ -5,9 +5,10 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.capsules import norm, squash
+from poecaps.errors import InputError
 from poecaps.inference import descend
-from poecaps.routing.base import Routing, RoutingResult
-from poecaps.validation import check_choice, check_number
+from poecaps.routing.base import Routing, RoutingResult, check_activations
+from poecaps.validation import check_choice, check_number, sizes_fit
 
 NORMALIZATIONS = ("parents", "children")
 
@@ -65,6 +66,8 @@ class SparseInferenceRouting(Routing):
 
     def prediction(self, votes, activations=None):
         """`(p [B, J, D], c0 [B, I, J])`: the feed-forward parents with uniform coefficients."""
+        if activations is not None:
+            check_activations(self, votes.shape, activations.shape)
         votes = ops.cast(votes, distribute.full_precision_dtype(votes))
         num_in, num_out = votes.shape[1], votes.shape[2]
         c0 = 1.0 / (num_out if self.normalize == "parents" else num_in)
@@ -72,7 +75,14 @@ class SparseInferenceRouting(Routing):
         return squash(c0 * ops.sum(weighted, axis=1)), ops.full(ops.shape(votes)[:3], c0, dtype=votes.dtype)
 
     def infer(self, votes, activations=None, targets=None, label_weight=1.0):
-        """`(v [B, J, D], energies [iterations + 1, B])`; `targets` `[B, J]` (e.g. one-hot) clamp the lengths."""
+        """`(v [B, J, D], energies [iterations + 1, B])`; `targets` `[B, J]` (e.g. one-hot) clamp the lengths
+        with the weight `label_weight` (>= 0)."""
+        if targets is not None:
+            label_weight = check_number(label_weight, "label_weight", minimum=0)
+            shape, expected = tuple(targets.shape), tuple(votes.shape[:1]) + tuple(votes.shape[2:3])
+            if len(shape) != 2 or not all(map(sizes_fit, shape, expected)):
+                raise InputError(f"targets must be [B, J] = {list(expected)}, one length per parent. Received: "
+                                 f"targets of shape {list(shape)}")
         p, _ = self.prediction(votes, activations)
 
         def energy(states):
