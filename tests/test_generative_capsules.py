@@ -279,6 +279,33 @@ def test_top_down_attention_refuses_children_and_predictions_that_do_not_fit(chi
         TopDownAttention()(np.zeros(children, "float32"), np.zeros(predictions, "float32"))
 
 
+def test_inversion_takes_the_iterations_it_is_given_and_refuses_what_does_not_fit(rng):
+    """`infer(iterations=0)` ran the layer's em_iterations (20 by default) without a word, and a string for
+    `return_trace` read as True; activations, parents' poses and posteriors of another shape failed inside
+    einsum (before). Now `iterations` is None (the layer's) or an integer >= 1, and the rest are refused by name."""
+    layer = GenerativeCapsules(3, 4, 5, seed=0, em_iterations=2, pose_steps=1)
+    children = rng.normal(size=(2, 6, 5)).astype("float32")
+    assert layer.infer(children, return_trace=True)[1].shape == (3, 2)
+    assert layer.infer(children, np.ones((2, 6)), iterations=1, return_trace=True)[1].shape == (2, 2)
+    with pytest.raises(InputError, match=r"iterations must be an integer >= 1. Received: iterations=0"):
+        layer.infer(children, iterations=0)
+    with pytest.raises(InputError, match=r"return_trace must be True or False"):
+        layer.infer(children, return_trace="no")
+    for shape in [(2, 7), (2, 6, 1)]:
+        message = re.escape(f"activations must be [batch, children] = [2, 6]. Received: shape={shape}")
+        for use in (layer.infer, layer.bottom_up):
+            with pytest.raises(InputError, match=message):
+                use(children, np.ones(shape, "float32"))
+    parents = np.zeros((2, 3, 4), "float32")
+    with pytest.raises(InputError, match=re.escape("v must be the parents' poses [batch, 3, 4]. Received: "
+                                                   "shape=(2, 4, 4)")):
+        layer.posterior(children, np.zeros((2, 4, 4), "float32"))
+    with pytest.raises(InputError, match=re.escape("r must be the posterior over the parents [batch, children, "
+                                                   "parents] = [2, 6, 3]. Received: shape=(2, 6, 4)")):
+        layer.log_joint(children, parents, np.full((2, 6, 4), 0.25, "float32"))
+    assert layer.log_joint(children, parents, np.full((2, 6, 3), 1 / 3, "float32")).shape == (2,)
+
+
 def test_inference_builds_the_layer_and_wrong_children_are_refused(rng):
     """`infer` before any call builds the weights for its children (as calling the layer does); children of
     another size, or generating before the number of children is known, raise a clear error."""

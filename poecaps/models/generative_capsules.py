@@ -11,7 +11,7 @@ import tensorflow as tf
 from poecaps import distribute, vmf
 from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_integer, check_number, check_seed, sizes_fit
+from poecaps.validation import check_flag, check_integer, check_number, check_seed, sizes_fit
 
 _TINY = 1e-9
 
@@ -116,6 +116,24 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         if self.built and shape[1] is not None and shape[1] != self.maps.shape[0]:
             raise InputError(f"this layer was built for {self.maps.shape[0]} children. Received: shape={shape}")
 
+    def _activations(self, children, activations):
+        """The children's activations `[B, I]` in their dtype (ones for None); `InputError` for another shape."""
+        if activations is None:
+            return tf.ones(tf.shape(children)[:2], children.dtype)
+        activations = tf.convert_to_tensor(activations)
+        shape = tuple(activations.shape)
+        if len(shape) != 2 or not all(map(sizes_fit, shape, children.shape[:2])):
+            raise InputError(f"activations must be [batch, children] = {list(children.shape[:2])}. Received: "
+                             f"shape={shape}")
+        return tf.cast(activations, children.dtype)
+
+    def _check_parents(self, v, name="v"):
+        """`InputError` unless `v` holds the parents' poses `[B, J, D_p]`."""
+        shape = tuple(v.shape)
+        if len(shape) != 3 or not all(map(sizes_fit, shape[1:], (self.num_parents, self.parent_dim))):
+            raise InputError(f"{name} must be the parents' poses [batch, {self.num_parents}, {self.parent_dim}]. "
+                             f"Received: shape={shape}")
+
     def _require_built(self):
         if not self.built:
             raise InputError("GenerativeCapsules has no weights yet: the number of children fixes them. Call the "
@@ -126,6 +144,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
     def predictions(self, v):
         """`U_ij = G_ij v_j`: `[B, J, D_p]` -> `[B, I, J, D_c]`."""
         self._require_built()
+        self._check_parents(v)
         # [I, J, D_c, D_p] x [B, J, D_p] -> [B, I, J, D_c]
         return tf.einsum("ijcp,bjp->bijc", tf.cast(self.maps, v.dtype), v)
 
@@ -151,8 +170,11 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         """The bound `L(v, r)` `[B]` (equal to `log p(V, v)` when r is the posterior over the parents)."""
         children = self._children(children)
         params = params or self._parameters(children.dtype)
-        a = tf.ones(tf.shape(children)[:2], children.dtype) if activations is None else activations
+        a = self._activations(children, activations)
         log_lik = self.child_log_likelihoods(children, v, params)
+        if len(r.shape) != 3 or not all(map(sizes_fit, r.shape, log_lik.shape)):
+            raise InputError(f"r must be the posterior over the parents [batch, children, parents] = "
+                             f"{list(log_lik.shape)}. Received: shape={tuple(r.shape)}")
         per_child = tf.reduce_sum(r * (params["log_pi"] + log_lik - tf.math.log(r + 1e-30)), -1)
         prior = -0.5 * tf.reduce_sum(tf.square(v), (1, 2)) - 0.5 * self.num_parents * self.parent_dim * math.log(
             2.0 * math.pi)
@@ -168,7 +190,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         """The start of inversion: the Gaussian closed form of the spec with uniform r (mean votes)."""
         children = self._children(children)
         dtype = children.dtype
-        a = tf.ones(tf.shape(children)[:2], dtype) if activations is None else activations
+        a = self._activations(children, activations)
         g = tf.cast(self.maps, dtype)
         weight = a / (self.num_parents * tf.reduce_mean(tf.exp(2.0 * tf.cast(self.log_sigma, dtype))))
         # sum_i w_i G_ij^T G_ij: [B, I] x [I, J, D_c, D_p] x [I, J, D_c, D_q] -> [B, J, D_p, D_q]
@@ -189,8 +211,9 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         """
         children = self._children(children)
         dtype = children.dtype
-        iterations = check_integer(iterations or self.em_iterations, "iterations")
-        a = tf.ones(tf.shape(children)[:2], dtype) if activations is None else tf.cast(activations, dtype)
+        iterations = self.em_iterations if iterations is None else check_integer(iterations, "iterations")
+        return_trace = check_flag(return_trace, "return_trace")
+        a = self._activations(children, activations)
         params = {k: tf.stop_gradient(t) for k, t in self._parameters(dtype).items()}
         bound = lambda v, r: self.log_joint(children, v, r, a, params)
         v = tf.stop_gradient(self.bottom_up(children, a))
@@ -241,9 +264,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         """
         self._require_built()
         v = tf.convert_to_tensor(v)
-        if v.shape.rank != 3 or not all(map(sizes_fit, v.shape[1:], (self.num_parents, self.parent_dim))):
-            raise InputError(f"v must be the parents' poses [batch, {self.num_parents}, {self.parent_dim}]. "
-                             f"Received: shape={tuple(v.shape)}")
+        self._check_parents(v)
         dtype = v.dtype
         params = self._parameters(dtype)
         seed = tf.convert_to_tensor(seed, tf.int32)
