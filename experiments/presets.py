@@ -215,7 +215,7 @@ def routing_table():
 def get(kind, name):
     """The config of preset `name` of `kind`; an unknown name is a `SettingError` listing the known ones."""
     check_choice(kind, "kind", _PRESETS, SettingError)
-    if name not in _PRESETS[kind]:
+    if not isinstance(name, str) or name not in _PRESETS[kind]:
         raise SettingError(f"Unknown {kind} preset {name!r}; known: {', '.join(_PRESETS[kind])}.")
     return _PRESETS[kind][name]()
 
@@ -226,7 +226,7 @@ def configured(kind, name=None, values=None):
     `record` is what `config.json` keeps of it: `{"kind", "preset",
     "overrides"}`, the overrides as checked values.
     """
-    name = name or DEFAULT[kind]
+    name = DEFAULT[kind] if name is None else name
     values = dict(values or {})
     config = with_values(get(kind, name), values)
     return config, {"kind": kind, "preset": name, "overrides": {k: getattr(config, k) for k in values}}

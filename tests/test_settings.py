@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -127,6 +128,15 @@ def test_presets_are_configs_and_the_defaults_are_the_default_preset():
             assert isinstance(presets.get(kind, name), config_cls), name
     with pytest.raises(SettingError, match="Unknown layerwise preset 'hauser'; known: default, hauser2019"):
         presets.get("layerwise", "hauser")
+
+
+@pytest.mark.parametrize("name", ["", 0, False, ["default"]])
+def test_only_none_stands_for_the_default_preset(name):
+    """Before, an empty name, 0 or False configured the default preset without a word (`name or DEFAULT`), and
+    a list failed with Python's unhashable-type error."""
+    assert presets.configured("layerwise", None)[1]["preset"] == "default"
+    with pytest.raises(SettingError, match=re.escape(f"Unknown layerwise preset {name!r}; known: default")):
+        presets.configured("layerwise", name)
 
 
 def test_hauser2019_differs_from_the_default_preset_in_the_departures_its_docstring_lists():
