@@ -112,21 +112,20 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
         return (self.kernel.shape[0], self.kernel.shape[3])
 
     def _check_visible(self, x):
-        """Refuse visible capsules that are not `[B, I, D_in]` of the kernel (`check_capsule_inputs`)."""
+        """Refuse visible capsules that are not `[B, I, D_in]` of the kernel (`check_capsule_inputs`); the layer is
+        built for the visible capsules it is first given."""
+        if not self.built:
+            self.build(tuple(x.shape))
         check_capsule_inputs(self, x.shape, (None, *self.visible_shape))
 
     def coefficients(self, x):
         return ops.stop_gradient(self.route(x).coefficients)
 
     def free_energy(self, x, c=None):
-        if not self.built:
-            self.build(tuple(x.shape))
         self._check_visible(x)
         return energy.free_energy(x, self.kernel, self.coefficients(x) if c is None else c)
 
     def p_on(self, x, c=None):
-        if not self.built:
-            self.build(tuple(x.shape))
         self._check_visible(x)
         return energy.p_on(x, self.kernel, self.coefficients(x) if c is None else c)
 
@@ -149,8 +148,6 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
         of the predicted pre-activations `z~` against `unsquash(lower)`.
         """
         check_choice(rule, "rule", DECODER_RULES)
-        if not self.built:
-            self.build(tuple(x.shape))
         self._check_visible(x)
         check_capsule_inputs(self, lower.shape, (None, self.num_capsules, self.capsule_dim), what="lower capsules")
         cj, zj = self._route_j(x)

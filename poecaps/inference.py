@@ -215,6 +215,7 @@ def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, lab
             are not one integer in `[0, K)` per image, steps < 0, a learning
             rate <= 0, or a negative `l1` or `label_weight`.
     """
+    # Imported here: the models import the routings, which import this module.
     from poecaps.models import CapsNet
 
     if not isinstance(model, CapsNet):

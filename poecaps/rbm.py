@@ -64,7 +64,7 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
         self._check_units(v, "visible")
 
     def p_on(self, v):
-        self._check_units(v, "visible")
+        self._check_visible(v)
         return ops.sigmoid(ops.matmul(v, self.kernel) + self.hidden_bias)
 
     def visible_probabilities(self, h):
@@ -74,7 +74,7 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
     def free_energy(self, v):
         # A NumPy `v` on the left of `*` would turn the bias into a constant.
         v = ops.convert_to_tensor(v, self.compute_dtype)
-        self._check_units(v, "visible")
+        self._check_visible(v)
         return (-ops.sum(v * self.visible_bias, axis=-1)
                 - ops.sum(ops.softplus(ops.matmul(v, self.kernel) + self.hidden_bias), axis=-1))
 

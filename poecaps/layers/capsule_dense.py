@@ -33,7 +33,7 @@ def kernel_shape(num_in, num_out, out_dim, in_dim, pose):
     return (num_in, num_out, out_dim, in_dim)
 
 
-def check_capsule_inputs(layer, inputs_shape, expected, activations_shape=None, what="inputs"):
+def check_capsule_inputs(layer, inputs_shape, expected, activations=None, what="inputs"):
     """Raise `InputError` unless a built capsule layer's inputs fit its kernel.
 
     `expected` is the inputs' shape the kernel was built for, None where any
@@ -49,9 +49,9 @@ def check_capsule_inputs(layer, inputs_shape, expected, activations_shape=None, 
     if len(inputs_shape) != len(expected) or not all(map(sizes_fit, inputs_shape, expected)):
         raise InputError(f"{layer.name} was built for {what} of shape {list(expected)} (None: any size). "
                          f"Received: {what} of shape {list(inputs_shape)}")
-    if activations_shape is None:
+    if activations is None:
         return
-    activations_shape = tuple(activations_shape)
+    activations_shape = tuple(activations.shape)
     if len(activations_shape) != len(inputs_shape) - 1 or not all(
             map(sizes_fit, activations_shape, inputs_shape[:-1])):
         raise InputError(f"{layer.name}: activations must have the inputs' shape without the pose axis, "
@@ -170,7 +170,7 @@ class CapsuleDense(keras.layers.Layer):
         if not self.built:
             self.build(tuple(inputs.shape))
         check_capsule_inputs(self, inputs.shape, (None, self.kernel.shape[0], input_pose_dim(self.kernel, self.pose)),
-                             None if activations is None else activations.shape)
+                             activations)
         if (self.pose == "vector" and hasattr(self.routing, "route_linear")
                 and self.num_capsules <= self.kernel.shape[0]):
             return self.routing.route_linear(inputs, self.voting_kernel(), activations)

@@ -143,7 +143,7 @@ class ConvCapsules(_CapsuleMapLayer):
             self.build(tuple(inputs.shape))
         types = self.kernel.shape[0] // (self.kernel_size * self.kernel_size)
         check_capsule_inputs(self, inputs.shape, (None, None, None, types, input_pose_dim(self.kernel, self.pose)),
-                             None if activations is None else activations.shape)
+                             activations)
         patches = capsule_patches(inputs, self.kernel_size, self.strides)
         _, out_h, out_w, num_in, dim = patches.shape
         folded = ops.reshape(patches, (-1, num_in, dim))
@@ -233,7 +233,7 @@ class ClassCapsules(_CapsuleMapLayer):
             self.build(tuple(inputs.shape))
         check_capsule_inputs(self, inputs.shape, (None, None, None, self.kernel.shape[0],
                                                      input_pose_dim(self.kernel, self.pose)),
-                             None if activations is None else activations.shape)
+                             activations)
         _, h, w, types, dim = inputs.shape
         flat = ops.reshape(inputs, (-1, h * w, types, dim))
         # [B, P, T, D] with W [T, J, ...]: every position votes with its type's matrices.

@@ -127,11 +127,11 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
                              f"shape={shape}")
         return tf.cast(activations, children.dtype)
 
-    def _check_parents(self, v, name="v"):
+    def _check_parents(self, v):
         """`InputError` unless `v` holds the parents' poses `[B, J, D_p]`."""
         shape = tuple(v.shape)
         if len(shape) != 3 or not all(map(sizes_fit, shape[1:], (self.num_parents, self.parent_dim))):
-            raise InputError(f"{name} must be the parents' poses [batch, {self.num_parents}, {self.parent_dim}]. "
+            raise InputError(f"v must be the parents' poses [batch, {self.num_parents}, {self.parent_dim}]. "
                              f"Received: shape={shape}")
 
     def _require_built(self):
