@@ -9,6 +9,7 @@ import math
 from keras import ops
 
 from poecaps.errors import InputError
+from poecaps.validation import check_integer
 
 EPSILON = 1e-7
 
@@ -90,6 +91,7 @@ def primary_capsules(code, capsule_dim):
     Each spatial position's channels are split into `C / capsule_dim`
     consecutive groups (Hauser section 4.1: 6 x 6 x 128/8 = 576 capsules).
     """
+    capsule_dim = check_integer(capsule_dim, "capsule_dim")
     channels = code.shape[-1]
     if channels % capsule_dim:
         raise InputError(
@@ -101,5 +103,9 @@ def primary_capsules(code, capsule_dim):
 
 
 def capsules_to_code(capsules, code_shape):
-    """Inverse of `primary_capsules`: `[B, I, D] -> [B, H, W, C]`."""
+    """Inverse of `primary_capsules`: `[B, I, D] -> [B, H, W, C]`; `I * D` must equal `H * W * C`."""
+    shape = tuple(capsules.shape)
+    if len(shape) != 3 or (None not in shape[1:] and shape[1] * shape[2] != math.prod(code_shape)):
+        raise InputError(f"capsules [B, I, D] must hold I * D = {math.prod(code_shape)} values per example for a "
+                         f"code of shape {tuple(code_shape)}. Received: capsules of shape {shape}")
     return ops.reshape(capsules, (-1, *code_shape))

@@ -107,6 +107,24 @@ def test_primary_capsules_rejects_dimension_not_dividing_channels():
         primary_capsules(np.zeros((1, 2, 2, 16), "float32"), 7)
 
 
+def test_capsules_fold_back_only_into_a_code_of_as_many_values():
+    """Before, 4 examples of 9 x 8 capsules folded into a 3 x 3 x 16 code as 2 examples without a word (the
+    reshape's -1 took up the difference), and capsule_dim 0 was Python's ZeroDivisionError. A size unknown while
+    tracing passes."""
+    import tensorflow as tf
+
+    with pytest.raises(InputError, match=r"I \* D = 144 values per example for a code of shape \(3, 3, 16\). "
+                                         r"Received: capsules of shape \(4, 9, 8\)"):
+        capsules_to_code(np.zeros((4, 9, 8), "float32"), (3, 3, 16))
+    with pytest.raises(InputError, match=r"Received: capsules of shape \(2, 18\)"):
+        capsules_to_code(np.zeros((2, 18), "float32"), (3, 3, 2))
+    assert tuple(capsules_to_code(np.zeros((4, 18, 8), "float32"), (3, 3, 16)).shape) == (4, 3, 3, 16)
+    traced = tf.function(lambda c: capsules_to_code(c, (3, 3, 16)), input_signature=[tf.TensorSpec([None, None, 8])])
+    assert tuple(traced(np.zeros((4, 18, 8), "float32")).shape) == (4, 3, 3, 16)
+    with pytest.raises(InputError, match=r"capsule_dim must be an integer >= 1. Received: capsule_dim=0"):
+        primary_capsules(np.zeros((1, 2, 2, 16), "float32"), 0)
+
+
 def test_with_length_appends_the_length_and_keeps_it(rng):
     from poecaps.capsules import with_length
 
