@@ -729,3 +729,25 @@ def test_the_energy_models_refuse_visible_units_that_do_not_fit_in_every_public_
     for use in [lambda: rbm.cd_gradients(v[:, :4]), lambda: rbm.cd_gradients(v, chain=v[:, :4])]:
         with pytest.raises(InputError, match=re.escape("has 5 visible units. Received: visible units of shape (2, 4)")):
             use()
+
+
+def test_capsnet_reconstructs_only_class_capsules_of_its_shape_and_classes_it_has():
+    """Before, poses of another capsule size changed the batch without a word (4 examples of [3, 8] poses
+    decoded to 2 images), a class outside [0, K) decoded an all-zero mask, and float classes were truncated."""
+    import tensorflow as tf
+
+    network = CapsNet((14, 14, 1), 3, conv_filters=4, primary_types=2, kernel_size=3, class_dim=16)
+    poses = np.ones((4, 3, 16), "float32")
+    assert tuple(network.reconstruct(poses, [0, 1, 2, 0]).shape) == (4, 14, 14, 1)
+    for bad, classes, message in [
+            (np.ones((4, 3, 8), "float32"), [0, 1, 2, 0],
+             r"poses must be the class capsules \[batch, 3, 16\]. Received: shape=\(4, 3, 8\)"),
+            (poses, [0, 1], r"classes must be one class per example, shape \[4\]. Received: shape=\(2,\)"),
+            (poses, np.eye(3, dtype="int64")[[0, 1, 2, 0]], r"classes must be one class per example"),
+            (poses, [0, 1, 2, 5], r"classes must lie in \[0, 3\). Received: 0 to 5"),
+            (poses, [0.0, 1.0, 2.0, 1.0], r"classes must be integers")]:
+        with pytest.raises(InputError, match=message):
+            network.reconstruct(bad, classes)
+    traced = tf.function(network.reconstruct, input_signature=[tf.TensorSpec([None, 3, 16]),
+                                                               tf.TensorSpec([None], tf.int64)])
+    assert tuple(traced(poses, np.array([0, 1, 2, 0])).shape) == (4, 14, 14, 1)

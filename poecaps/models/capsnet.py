@@ -3,6 +3,8 @@
 import math
 
 import keras
+import numpy as np
+import tensorflow as tf
 from keras import ops
 
 from poecaps import losses
@@ -14,7 +16,9 @@ from poecaps.validation import (
     check_image_batch,
     check_integer,
     check_integers,
+    check_labels,
     check_seed,
+    sizes_fit,
 )
 
 
@@ -129,9 +133,23 @@ class CapsNet(keras.Model):
         return self.class_capsules.route(self.primary(code), training=training)
 
     def reconstruct(self, poses, classes):
-        """Decode the class capsules masked to `classes` (`[B]` integers)."""
+        """Decode the class capsules `poses [B, K, class_dim]` masked to `classes` (`[B]` integers in [0, K)).
+
+        Shapes are checked always; the classes' values only when run eagerly (in a traced step they are the
+        trainer's checked labels or the network's own argmax).
+        """
         if self.decoder is None:
             raise InputError("This CapsNet was built with reconstruction=False; it has no decoder.")
+        shape, expected = tuple(poses.shape), (None, self.num_classes, self.class_dim)
+        if len(shape) != 3 or not all(map(sizes_fit, shape, expected)):
+            raise InputError(f"poses must be the class capsules [batch, {self.num_classes}, {self.class_dim}]. "
+                             f"Received: shape={shape}")
+        classes = np.asarray(classes) if isinstance(classes, (list, tuple)) else classes
+        if len(classes.shape) != 1 or not sizes_fit(classes.shape[0], shape[0]):
+            raise InputError(f"classes must be one class per example, shape [{shape[0]}]. Received: shape="
+                             f"{tuple(classes.shape)}")
+        if tf.executing_eagerly():
+            check_labels(np.asarray(classes), self.num_classes, shape[0], "classes")
         mask = ops.one_hot(ops.cast(classes, "int32"), self.num_classes, dtype=poses.dtype)
         return self.decoder(ops.reshape(poses * mask[..., None], (-1, self.num_classes * self.class_dim)))
 
