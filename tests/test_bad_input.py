@@ -550,7 +550,9 @@ def test_fit_and_evaluate_check_arrays_as_fit_resumable_does(name, make, x, y):
     """Arrays given to Keras' own `fit` and `evaluate` (x, y and validation arrays) meet the trainer's
     `check_inputs`, as `fit_resumable` checks them, before any weight moves: a NaN among the inputs is refused
     by every trainer. Before, `fit` trained on them (or failed inside the graph), and the generative and
-    variational trainers checked no input, in `fit_resumable` either."""
+    variational trainers checked no input, in `fit_resumable` either. `predict` checks its x alike (before, it
+    predicted from NaN inputs, and images of another size failed inside a layer once Keras had relaxed its
+    traced shapes)."""
     trainer = make()
     trainer.compile(optimizer=keras.optimizers.SGD(1e-3))
     labelled = {} if y is None else {"y": y}
@@ -561,7 +563,8 @@ def test_fit_and_evaluate_check_arrays_as_fit_resumable_does(name, make, x, y):
     calls = [lambda: trainer.fit(bad, batch_size=4, epochs=1, verbose=0, **labelled),
              lambda: trainer.fit(x, batch_size=4, epochs=1, verbose=0, validation_data=(bad, y), **labelled),
              lambda: trainer.fit(x, batch_size=4, epochs=1, verbose=0, validation_data=(bad,), **labelled)
-             if y is None else trainer.evaluate(bad, y, verbose=0)]
+             if y is None else trainer.evaluate(bad, y, verbose=0),
+             lambda: trainer.predict(bad, batch_size=4, verbose=0)]
     for call in calls:
         with pytest.raises(InputError, match=r"holds 1 NaN or infinite"):
             call()
@@ -588,6 +591,9 @@ def test_the_supervised_trainers_fit_refuses_labels_it_would_misread(labels, mes
         trainer.evaluate(x, labels(y), verbose=0)
     with pytest.raises(InputError, match=r"must lie in \[0.0, 1.0\].*divide 8-bit images by 255"):
         trainer.fit((x * 255).astype("uint8"), y, epochs=1, verbose=0)
+    assert trainer.predict(x, verbose=0)["scores"].shape == (8, 3)
+    with pytest.raises(InputError, match=r"x \(images\) must have shape \[N, 14, 14, 1\]"):
+        trainer.predict(np.zeros((8, 16, 16, 1), "float32"), verbose=0)
 
 
 @pytest.mark.parametrize("make, built_for, other_inputs, activations, transposed", [

@@ -126,12 +126,17 @@ class Trainer(keras.Model):
 
     def _check_call(self, method, args, kwargs):
         """Refuse sample or class weights, and arrays (x, y and validation arrays) that the steps' `check_batch`
-        (a y given or missing) or the trainer's `check_inputs` refuse."""
+        (a y given or missing) or the trainer's `check_inputs` refuse; `predict`'s x meets `check_inputs` alone
+        (it takes no y)."""
         given = inspect.signature(method).bind(self, *args, **kwargs).arguments
         if given.get("sample_weight") is not None or given.get("class_weight") is not None:
             raise weighted(self)
         check = getattr(self, "check_inputs", None)
         if check is None:
+            return
+        if method is keras.Model.predict:
+            if _is_array(given.get("x")):
+                check(given["x"])
             return
         validation = given.get("validation_data")
         validation = (*validation, None)[:2] if isinstance(validation, (tuple, list)) else (validation, None)
@@ -147,3 +152,7 @@ class Trainer(keras.Model):
     def evaluate(self, *args, **kwargs):
         self._check_call(keras.Model.evaluate, args, kwargs)
         return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._check_call(keras.Model.predict, args, kwargs)
+        return super().predict(*args, **kwargs)
