@@ -1,13 +1,12 @@
 """The Bernoulli restricted Boltzmann machine: the classic model of the tradition."""
 
 import keras
-import numpy as np
 from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
 from poecaps.experts import EnergyModel
-from poecaps.validation import check_integer, check_seed
+from poecaps.validation import check_integer, check_seed, static_shape
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -53,7 +52,7 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
     def _check_units(self, x, kind):
         """Refuse, naming both sizes, an `x` whose last axis is not as wide as the `kind` ("visible" or "hidden")
         units; the layer is built for visible units first. Static shapes: unknown sizes fit any."""
-        shape = tuple(getattr(x, "shape", None) or np.shape(x))
+        shape = static_shape(x)
         if kind == "visible" and not self.built:
             self.build(shape)
         units = self.kernel.shape[0] if kind == "visible" else self.num_hidden

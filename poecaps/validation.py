@@ -147,13 +147,19 @@ def check_images(images, name="images", image_shape=None, channels=None):
     return check_array(images, name, tuple(image_shape), 0.0, 1.0, "pixels")
 
 
+def static_shape(x):
+    """The shape of an array, tensor or nested list as a tuple; None for a size unknown while tracing."""
+    shape = getattr(x, "shape", None)
+    return tuple(shape) if shape is not None else np.shape(x)
+
+
 def check_image_batch(images, image_size, owner, channels=1):
     """Refuse, with an `InputError` naming `owner`, images (array or tensor) not `[B, H, W, C]` of `image_size`
     (H, W) and `channels` (C).
 
     A check of the static shape: it also runs while a graph is traced, and dimensions unknown then pass.
     """
-    shape = tuple(getattr(images, "shape", None) or np.shape(images))
+    shape = static_shape(images)
     expected = (*image_size, channels)
     if len(shape) != 4 or not all(map(sizes_fit, shape[1:], expected)):
         raise InputError(f"{owner} takes images of shape [batch, {image_size[0]}, {image_size[1]}, {channels}]. "

@@ -150,6 +150,10 @@ class CapsNet(keras.Model):
                              f"{tuple(classes.shape)}")
         if tf.executing_eagerly():
             check_labels(np.asarray(classes), self.num_classes, shape[0], "classes")
+        return self._decode(poses, classes)
+
+    def _decode(self, poses, classes):
+        """`reconstruct` without its checks, for classes known to fit (the network's own argmax)."""
         mask = ops.one_hot(ops.cast(classes, "int32"), self.num_classes, dtype=poses.dtype)
         return self.decoder(ops.reshape(poses * mask[..., None], (-1, self.num_classes * self.class_dim)))
 
@@ -158,7 +162,7 @@ class CapsNet(keras.Model):
         outputs = {"scores": result.activations, "poses": result.poses,
                    "coefficients": result.coefficients}
         if self.decoder is not None:
-            outputs["reconstruction"] = self.reconstruct(
+            outputs["reconstruction"] = self._decode(
                 result.poses, ops.argmax(result.activations, axis=-1))
         return outputs
 

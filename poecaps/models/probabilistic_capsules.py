@@ -69,6 +69,7 @@ from poecaps.validation import (
     check_number,
     check_seed,
     sizes_fit,
+    static_shape,
 )
 
 _IDENTITY = compositing.IDENTITY
@@ -133,7 +134,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
                     "images": (*self.image_size, 1)}
         batches = {}
         for name, value in latents.items():
-            shape = tuple(getattr(value, "shape", None) or np.shape(value))
+            shape = static_shape(value)
             want = expected[name]
             if len(shape) != len(want) + 1 or not all(map(sizes_fit, shape[1:], want)):
                 raise InputError(f"{name} must be [batch, {', '.join(map(str, want))}] (K = {k} top capsules, "
