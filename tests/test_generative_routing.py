@@ -131,7 +131,7 @@ def test_config_round_trip_and_validation(rng):
         GenerativeRouting(kappa=0)
     with pytest.raises(InputError, match="Received: sigma=-1"):
         GenerativeRouting(sigma=-1)
-    with pytest.raises(InputError, match="at least 2 dimensions"):
+    with pytest.raises(InputError, match=r"pose size D .* must be at least 2.*shape \[1, 2, 3, 1\]"):
         GenerativeRouting()(np.zeros((1, 2, 3, 1), "float32"))
 
 

@@ -3,6 +3,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 from poecaps import routing
@@ -151,6 +152,21 @@ def test_every_router_sums_its_coefficients_over_the_axis_it_declares(rng, name)
     c = ops.convert_to_numpy(layer(votes, rng.uniform(0.1, 1.0, size=(3, 9)).astype("float32")).coefficients)
     axis = {"parents": 2, "children": 1}[layer.normalizes]
     np.testing.assert_allclose(c.sum(axis=axis), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", routing.names())
+def test_every_router_routes_an_empty_batch(name):
+    # The one routing interface: a batch of no examples routes to empty results of the usual shapes,
+    # eagerly as in a graph traced for any batch size, as Keras traces one (dynamic routing's softmax
+    # used ops.max, which refuses any empty tensor when run eagerly, while every other router took one).
+    layer = routing.get(name)
+    votes = np.zeros((0, 5, 3, 4), "float32")
+    graph = tf.function(lambda v, a: layer(v, a), input_signature=[tf.TensorSpec((None, 5, 3, 4)),
+                                                                    tf.TensorSpec((None, 5))])
+    for run in (layer, graph):
+        result = run(votes, np.zeros((0, 5), "float32"))
+        shapes = [tuple(ops.convert_to_numpy(part).shape) for part in result]
+        assert shapes == [(0, 3, 4), (0, 3), (0, 5, 3)]
 
 
 @pytest.mark.parametrize("kwargs, message", [

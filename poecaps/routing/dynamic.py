@@ -1,6 +1,7 @@
 """Dynamic routing by agreement (Sabour et al. 2017; Hauser 2019, section 2.2)."""
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from poecaps import distribute
@@ -13,8 +14,9 @@ NORMALIZATIONS = ("parents", "children")
 
 
 def _softmax(logits, axis):
-    """Softmax written out, so that it needs no transpose along a leading axis (TF's does)."""
-    e = ops.exp(logits - ops.max(logits, axis=axis, keepdims=True))
+    """Softmax written out, so that it needs no transpose along a leading axis (TF's does). The shift is
+    `tf.reduce_max`, which takes an empty batch (`ops.max` refuses any empty tensor when run eagerly)."""
+    e = ops.exp(logits - tf.reduce_max(logits, axis=axis, keepdims=True))
     return e / ops.sum(e, axis=axis, keepdims=True)
 
 

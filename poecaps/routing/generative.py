@@ -80,7 +80,8 @@ class GenerativeRouting(Routing):
 
     def build(self, votes_shape, activations_shape=None):
         if votes_shape[-1] is not None and votes_shape[-1] < 2:
-            raise InputError(f"votes need at least 2 dimensions. Received: shape={votes_shape}")
+            raise InputError("GenerativeRouting: votes' pose size D (the last axis of [B, I, J, D]) must be at least "
+                             f"2, for their directions on the sphere. Received: votes of shape {list(votes_shape)}")
         per_parent = lambda name, value: self.add_weight(name=name, shape=(votes_shape[2],),
                                                          initializer=keras.initializers.Constant(value))
         self.log_kappa = per_parent("log_kappa", math.log(self.kappa))
