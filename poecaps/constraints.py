@@ -30,6 +30,10 @@ class IsometricPoses(keras.constraints.Constraint):
     the lower code capsule j reads (its row space), but cannot let one
     direction of it outgrow the others.
 
+    Every `D_out` singular value can be equal only if `M_j` has as many:
+    kernels with `I * D_in < D_out` are refused (the inverse square root
+    would blow rounding noise in `M_j M_j^T`'s null space up into the map).
+
     Applied by the optimizer after every update (Keras applies variable
     constraints in `optimizer.apply`). Vector poses only (`CapsuleDense`
     refuses it with `pose="matrix"`).
@@ -42,10 +46,20 @@ class IsometricPoses(keras.constraints.Constraint):
     def __init__(self, epsilon=1e-12):
         self.epsilon = check_number(epsilon, "epsilon", above=0)
 
+    @staticmethod
+    def check_kernel_shape(shape):
+        """Raise `InputError` unless `shape` is a kernel `[I, J, D_out, D_in]` with `I * D_in >= D_out`."""
+        shape = tuple(shape)
+        if len(shape) != 4:
+            raise InputError(f"IsometricPoses needs a kernel [I, J, D_out, D_in]. Received shape {shape}")
+        num_in, _, out_dim, in_dim = shape
+        if num_in * in_dim < out_dim:
+            raise InputError(f"IsometricPoses gives each map M_j [D_out, I * D_in] D_out equal singular values, "
+                             f"so it needs I * D_in >= D_out. Received a kernel of shape {shape}: "
+                             f"I * D_in = {num_in * in_dim} < D_out = {out_dim}")
+
     def __call__(self, kernel):
-        if len(kernel.shape) != 4:
-            raise InputError("IsometricPoses needs a kernel [I, J, D_out, D_in]. "
-                             f"Received shape {tuple(kernel.shape)}")
+        self.check_kernel_shape(kernel.shape)
         kernel = ops.convert_to_tensor(kernel)
         gram = ops.einsum("ijod,ijpd->jop", kernel, kernel)                   # M_j M_j^T
         eigenvalues, vectors = ops.eigh(gram)

@@ -37,6 +37,30 @@ def test_isometric_poses_arguments_are_checked():
         IsometricPoses()(np.ones((3, 4), "float32"))
 
 
+def test_isometric_poses_refuses_maps_with_fewer_columns_than_rows(rng):
+    # M_j [D_out, I * D_in] has at most I * D_in nonzero singular values, so D_out equal ones do not exist
+    # when I * D_in < D_out. Before, the inverse square root of M_j M_j^T's near-zero eigenvalues turned
+    # rounding noise into a map of unequal singular values and another Frobenius norm, without a word.
+    kernel = rng.normal(size=(1, 2, 16, 8)).astype("float32")
+    with pytest.raises(InputError, match=r"I \* D_in = 8 < D_out = 16"):
+        IsometricPoses()(kernel)
+    # A layer with such a kernel says so when it is built, not at its first optimizer update.
+    layer = CapsuleDense(2, 16, kernel_constraint=IsometricPoses())
+    with pytest.raises(InputError, match=r"I \* D_in = 8 < D_out = 16"):
+        layer(np.ones((3, 1, 8), "float32"))
+    # I * D_in = D_out (square maps) is accepted: each map becomes its RMS singular value times an orthogonal
+    # matrix. The maps have singular values in [1, 2], so float32 eigh resolves each to ~1e-6.
+    square = np.zeros((2, 2, 16, 8))
+    for j in range(2):
+        u, _ = np.linalg.qr(rng.normal(size=(16, 16)))
+        v, _ = np.linalg.qr(rng.normal(size=(16, 16)))
+        m = u @ np.diag(np.linspace(1.0, 2.0, 16)) @ v.T                        # M_j [D_out, I * D_in]
+        square[:, j] = np.stack([m[:, :8], m[:, 8:]])
+    for m in _maps(ops.convert_to_numpy(IsometricPoses()(square.astype("float32")))):
+        np.testing.assert_allclose(np.linalg.svd(m, compute_uv=False), np.sqrt(np.mean(np.linspace(1, 2, 16) ** 2)),
+                                   rtol=1e-4)
+
+
 def test_cd_training_keeps_each_capsules_singular_values_equal(rng):
     x = (rng.normal(size=(48, 6, 3)) * np.array([2.0, 0.5, 0.1])).astype("float32")
     layers = {}

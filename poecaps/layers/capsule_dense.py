@@ -149,9 +149,11 @@ class CapsuleDense(keras.layers.Layer):
                 f"CapsuleDense expects inputs of shape [batch, num_in, in_dim]. "
                 f"Received: input_shape={input_shape}")
         _, num_in, in_dim = input_shape
+        shape = kernel_shape(num_in, self.num_capsules, self.capsule_dim, in_dim, self.pose)
+        if isinstance(self.kernel_constraint, IsometricPoses):
+            self.kernel_constraint.check_kernel_shape(shape)   # at build, not at the first update
         self.kernel = self.add_weight(
-            name="kernel", shape=kernel_shape(num_in, self.num_capsules, self.capsule_dim, in_dim,
-                                              self.pose),
+            name="kernel", shape=shape,
             initializer=self.kernel_initializer, regularizer=self.kernel_regularizer,
             constraint=self.kernel_constraint)
         # The routing's own weights (EM's beta_u, beta_a) exist before any call.
