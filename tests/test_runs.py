@@ -95,6 +95,21 @@ def test_a_pipeline_with_a_new_code_mean_or_autoencoder_decodes_with_it():
     assert np.abs(outputs[1] - outputs[0]).max() > 1e-3 and np.abs(outputs[2] - outputs[1]).max() > 1e-3
 
 
+def test_a_pipeline_without_an_encoder_or_decoder_names_the_stage_to_train():
+    # A pipeline loaded from a run whose capsule stages have not run yet has only its autoencoder. Before, its
+    # capsule methods failed with "'NoneType' object is not callable" or "has no attribute".
+    autoencoder = ConvAutoencoder(filters=8, kernel_size=3, dropout=0.0, seed=0)
+    images = np.random.default_rng(0).random((2, 12, 12, 1), dtype="float32")
+    autoencoder(images)
+    pipeline = CapsulePipeline(autoencoder, capsule_dim=4)
+    upper = np.zeros((2, 3, 16), "float32")
+    for call, stage in [(lambda: pipeline.encode(images), "encoder"), (lambda: pipeline.num_upper, "encoder"),
+                        (lambda: pipeline.decode_upper(upper), "decoder"), (lambda: pipeline.decode(upper), "decoder"),
+                        (lambda: pipeline.reconstruct(images), "encoder")]:
+        with pytest.raises(InputError, match=f"no {stage}; train the '{stage}' stage first"):
+            call()
+
+
 
 RETRACING_PROGRAM = """
 import logging

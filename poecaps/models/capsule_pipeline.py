@@ -74,13 +74,20 @@ class CapsulePipeline:
         self.mean_directions = mean_directions
         self.winning_axes = winning_axes
 
+    def _trained(self, name):
+        """The component `name` ("encoder" or "decoder"); `InputError` if this pipeline has none."""
+        component = getattr(self, name)
+        if component is None:
+            raise InputError(f"This capsule pipeline has no {name}; train the {name!r} stage first.")
+        return component
+
     @property
     def num_upper(self):
-        return self.encoder.num_capsules
+        return self._trained("encoder").num_capsules
 
     @property
     def upper_dim(self):
-        return self.encoder.capsule_dim
+        return self._trained("encoder").capsule_dim
 
     def lower_capsules(self, images):
         return self.capsules_from_code(self.autoencoder.encode(images))
@@ -91,7 +98,7 @@ class CapsulePipeline:
         return squash(primary_capsules(code, self.capsule_dim))
 
     def upper_capsules(self, lower):
-        return self.encoder(lower)
+        return self._trained("encoder")(lower)
 
     def encode(self, images):
         """Upper capsules of images, `[B, J, D]`."""
@@ -106,7 +113,7 @@ class CapsulePipeline:
     @property
     def decoder_reads_length(self):
         """True when the decoder reads `with_length(x)` (built for one input dimension more)."""
-        return self.decoder.kernel.shape[-1] == self.upper_dim + 1
+        return self._trained("decoder").kernel.shape[-1] == self.upper_dim + 1
 
     def decode_capsules(self, upper):
         """Lower capsules the decoder routes down from upper capsules `[B, J, D]`."""
@@ -124,6 +131,7 @@ class CapsulePipeline:
         576 routed capsules; the convolutions run without XLA, which slows
         them on a CPU. Equal to `decode_upper` to rounding.
         """
+        self._trained("decoder")     # named here: raised inside the traced batches it would read as a StagingError
         lower = batched(self.decode_capsules, upper, 32, jit_compile=True)
         return batched(self.decode_lower, lower, batch_size)
 
