@@ -17,6 +17,7 @@ import keras
 import numpy as np
 from common import (
     best_seconds,
+    count,
     cpu_allocator,
     dense_matmul_flops_per_s,
     machine,
@@ -81,9 +82,9 @@ def conv_flops(h, w, c, filters, kernel, strides):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=count(), default=128)
+    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--repeats", type=count(), default=3)
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)
     images = np.random.default_rng(args.seed).uniform(size=(args.batch, 28, 28, 1)).astype("float32")

@@ -20,6 +20,7 @@ import tensorflow as tf
 from common import (
     adam_step,
     best_seconds,
+    count,
     cpu_allocator,
     dense_matmul_flops_per_s,
     machine,
@@ -111,9 +112,9 @@ def capsnet_flops(batch, rounds=3):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=count(), default=128)
+    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--repeats", type=count(), default=3)
     p.add_argument("--precision", choices=distribute.PRECISIONS, default="float32",
                    help="policy of the poecaps model (routing stays float32; the reference is float32)")
     p.add_argument("--xla", action="store_true", help="compile the poecaps step with XLA")

@@ -18,7 +18,7 @@ import argparse
 import keras
 import numpy as np
 import tensorflow as tf
-from common import best_seconds, cpu_allocator, dense_matmul_flops_per_s, machine
+from common import best_seconds, count, cpu_allocator, dense_matmul_flops_per_s, machine
 
 from poecaps.capsules import squash
 from poecaps.experts import CapsuleExperts
@@ -64,11 +64,11 @@ def algorithm_flops(batch, num_in, num_out, d_in, d_out, rounds):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=4, help="routing rounds (Sabour's r)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--shards", type=int, default=2, help="parts of the batch in the sharded timing")
+    p.add_argument("--batch", type=count(), default=128)
+    p.add_argument("--rounds", type=count(0), default=4, help="routing rounds (Sabour's r)")
+    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--repeats", type=count(), default=5)
+    p.add_argument("--shards", type=count(), default=2, help="parts of the batch in the sharded timing")
     p.add_argument("--skip-reference", action="store_true")
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)

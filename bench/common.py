@@ -1,5 +1,6 @@
 """Timing helpers shared by the benchmarks (not tests: they print figures)."""
 
+import argparse
 import os
 import time
 
@@ -7,6 +8,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras
 import tensorflow as tf
+
+
+def count(minimum=1):
+    """An argparse type: an integer >= `minimum` (`--batch 0` or `--repeats 0` end the run with argparse's one
+    line, not a traceback from inside the timing)."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+    return parse
 
 
 def best_seconds(fn, warmup=2, repeats=5):

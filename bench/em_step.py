@@ -31,6 +31,7 @@ import tensorflow as tf
 from common import (
     adam_step,
     best_seconds,
+    count,
     cpu_allocator,
     dense_matmul_flops_per_s,
     machine,
@@ -175,13 +176,13 @@ def em_flops(batch, sizes, iterations=3):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=count(), default=64)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--chunk-capsules", type=int, default=CHUNK_CAPSULES,
+    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--repeats", type=count(), default=3)
+    p.add_argument("--chunk-capsules", type=count(), default=CHUNK_CAPSULES,
                    help="lower capsules routed together (0: all at once)")
-    p.add_argument("--shards", type=int, default=default_shards(),
+    p.add_argument("--shards", type=count(), default=default_shards(),
                    help="concurrent XLA parts of the batch in the sharded variant")
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)

@@ -24,7 +24,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
-from common import dense_matmul_flops_per_s, machine
+from common import count, dense_matmul_flops_per_s, machine
 
 from poecaps import data, inference
 from poecaps.capsules import squash
@@ -57,9 +57,9 @@ def eager_reference(model, images, steps, learning_rate, l1):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=count(), default=32)
+    p.add_argument("--steps", type=count(), default=500)
+    p.add_argument("--seed", type=count(0), default=0)
     args = p.parse_args()
     keras.utils.set_random_seed(args.seed)
     images, _, _ = data.load_arrays("mnist", "test", MNIST_5K)

@@ -30,6 +30,7 @@ import tensorflow as tf
 from common import (
     adam_step,
     best_seconds,
+    count,
     cpu_allocator,
     dense_matmul_flops_per_s,
     machine,
@@ -272,10 +273,10 @@ def reference_run(router, images, labels, seed):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--batch", type=count(), default=32)
     p.add_argument("--router", action="append", choices=["similarity", "connectionist"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=count(0), default=0)
+    p.add_argument("--repeats", type=count(), default=3)
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
     images = rng.uniform(size=(args.batch, 28, 28, 1)).astype("float32")

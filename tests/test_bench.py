@@ -52,6 +52,21 @@ def test_benchmark_ends_on_its_result_line(script):
     assert len(machine) == 1 and "usable CPUs" in machine[0], result.stdout[-2000:]   # what the ratio was measured on
 
 
+@pytest.mark.parametrize("script", sorted(TOY))
+def test_benchmark_refuses_a_count_below_one_in_one_line(script, monkeypatch, capsys):
+    # Before, `--batch 0` failed deep in the model or the reference with a traceback, and `--repeats 0` only
+    # after the whole warm-up, at min() of no timings. argparse ends the run before any work.
+    main = _bench_module(script[:-3], monkeypatch).main
+    flag = "--steps" if script == "inference_step.py" else "--repeats"
+    for bad, shown in ((["--batch", "0"], "0"), ([flag, "0"], "0"), (["--batch", "two"], "'two'")):
+        monkeypatch.setattr(sys, "argv", [script, *bad])
+        with pytest.raises(SystemExit) as stop:
+            main()
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"{script}: error: argument {bad[0]}: expected an integer >= 1, got {shown}")
+
+
 def _bench_module(name, monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
     return importlib.import_module(name)
