@@ -139,6 +139,10 @@ def specialisation(predicted, classes):
         majority classes over the J capsules).
     """
     predicted = np.asarray(predicted)
+    if predicted.ndim != 2 or predicted.size == 0:
+        raise InputError(f"specialisation needs predicted classes [rows, J], rows and J > 0. Received shape "
+                         f"{predicted.shape}")
+    check_labels(predicted.reshape(-1), classes, predicted.size, name="predicted")
     purity, majority = [], []
     for j in range(predicted.shape[1]):
         counts = np.bincount(predicted[:, j], minlength=classes)
@@ -439,6 +443,7 @@ def cluster_purity(assignment, labels, classes, count):
         raise InputError(f"cluster_purity needs assignment [N] and labels [N], N > 0. "
                          f"Received shapes {assignment.shape} and {labels.shape}")
     labels = check_labels(labels, classes, len(assignment))
+    assignment = check_labels(assignment, count, len(assignment), name="assignment")
     return _clusters(assignment, labels, classes, count)
 
 

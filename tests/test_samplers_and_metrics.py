@@ -167,6 +167,14 @@ def test_specialisation_hand_computed():
     assert result["majority"] == [0, 1, 3]
     assert result["purity"] == [0.75, 0.75, 0.75]
     assert result["classes_covered"] == 3
+    # Before, a class >= classes counted as a class of its own (a capsule whose samples the classifier put in
+    # class 4 of 4 was pure and covered one more class); -1 or float classes failed inside NumPy's bincount.
+    for bad, message in ((predicted + 1, r"^predicted must lie in \[0, 4\)\. Received: 1 to 4$"),
+                         (predicted - 1, r"^predicted must lie in \[0, 4\)\. Received: -1 to 2$"),
+                         (predicted.astype("float64"), r"^predicted must be integers"),
+                         (predicted[0], r"^specialisation needs predicted classes \[rows, J\]")):
+        with pytest.raises(InputError, match=message):
+            metrics.specialisation(bad, classes=4)
 
 
 def test_class_selectivity_hand_computed():
@@ -419,6 +427,13 @@ def test_cluster_purity_hand_computed():
     assert result["classes_covered"] == 2
     with pytest.raises(InputError, match="assignment"):
         metrics.cluster_purity(np.array([0, 1]), np.array([0]), 2, 2)
+    # An image assigned outside the `count` clusters was left out of every cluster but still counted in
+    # overall_purity's denominator (5 / 7 here, without a word); float clusters were compared by ==.
+    labels = np.array([1, 1, 2, 0, 0, 0, 1])
+    for bad, message in ((np.array([0, 0, 0, 1, 1, 2, 4]), r"^assignment must lie in \[0, 4\)\. Received: 0 to 4$"),
+                         (np.array([0, 0, 0, 1, 1, 2, 1.5]), r"^assignment must be integers")):
+        with pytest.raises(InputError, match=message):
+            metrics.cluster_purity(bad, labels, 3, 4)
 
 
 def test_mean_directions_hand_computed():
