@@ -9,8 +9,12 @@ from poecaps.validation import check_array, check_labels
 
 
 def mse(images, reconstructions):
-    """Mean squared pixel error."""
-    return float(np.mean(np.square(np.asarray(images) - np.asarray(reconstructions))))
+    """Mean squared pixel error of reconstructions of the images' shape (NaN if a reconstruction is)."""
+    images, reconstructions = np.asarray(images), np.asarray(reconstructions)
+    if images.shape != reconstructions.shape or images.size == 0:
+        raise InputError(f"mse needs reconstructions of the images' shape, not empty. Received shapes "
+                         f"{images.shape} and {reconstructions.shape}")
+    return float(np.mean(np.square(images - reconstructions)))
 
 
 def linear_probe(train_features, train_labels, test_features, test_labels, max_iterations=500,
@@ -471,6 +475,7 @@ def hoyer_sparsity(scores):
     scores = np.asarray(scores, "float64")
     if scores.ndim < 1 or scores.shape[-1] < 2:
         raise InputError(f"hoyer_sparsity needs score vectors of at least 2 entries. Received shape {scores.shape}")
+    check_array(scores.reshape(-1, scores.shape[-1]), "scores", what="scores", dtype="float64")
     n = scores.shape[-1]
     l1 = np.sum(np.abs(scores), axis=-1)
     l2 = np.sqrt(np.sum(np.square(scores), axis=-1))

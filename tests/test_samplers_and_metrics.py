@@ -454,6 +454,23 @@ def test_hoyer_sparsity_by_hand():
     assert metrics.hoyer_sparsity(np.array([[1.0, 1.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])) == pytest.approx(half / 2)
     with pytest.raises(InputError, match="at least 2 entries. Received shape"):
         metrics.hoyer_sparsity(np.ones((4, 1)))
+    # Before, a NaN score made its vector's |s|_2 > 0 false, so it counted as "nothing on", sparsity 1; no
+    # vectors at all averaged to NaN with a RuntimeWarning.
+    with pytest.raises(InputError, match=r"^scores holds 1 NaN or infinite scores"):
+        metrics.hoyer_sparsity(np.array([np.nan, 1.0]))
+    with pytest.raises(InputError, match=r"^scores is empty"):
+        metrics.hoyer_sparsity(np.ones((0, 4)))
+
+
+def test_mse_by_hand():
+    images = np.array([[0.0, 1.0], [0.5, 0.5]])
+    assert metrics.mse(images, np.array([[0.0, 0.5], [0.5, 1.0]])) == pytest.approx(0.125)    # (0.25 + 0.25) / 4
+    assert np.isnan(metrics.mse(images, np.array([[0.0, np.nan], [0.5, 1.0]])))               # a diverged model shows
+    # Before, one image against three reconstructions broadcast to a figure of the wrong pairs, without a word.
+    with pytest.raises(InputError, match=r"^mse needs reconstructions of the images' shape"):
+        metrics.mse(images[:1], np.stack([images[0]] * 3))
+    with pytest.raises(InputError, match=r"not empty"):
+        metrics.mse(np.ones((0, 2)), np.ones((0, 2)))
 
 
 @pytest.mark.parametrize("name, call", [
