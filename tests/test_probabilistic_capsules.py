@@ -372,6 +372,26 @@ def test_refine_ascends_each_images_own_bound():
         model.refine(images, 3, optimizer="rmsprop")
 
 
+def test_refine_and_mean_bound_check_the_parameters_and_draws_they_are_given():
+    # Before, parameters of another batch size, pose width or keys failed inside the compiled ascent (a
+    # StagingError or TypeError), a missing key read as a pose of shape (), and draws=0 divided by zero.
+    model = _tiny_autoencoder()
+    images = tf.constant(np.random.default_rng(2).uniform(size=(2, 12, 12, 1)).astype("float32"))
+    start = model.variational_parameters(images)
+    bad = [({key: value[:1] for key, value in start.items()}, r"parameters\['part_logits'\] must be \[2, 4\] for 2 images"),
+           ({**start, "part_pose": start["part_pose"][..., :5]}, r"parameters\['part_pose'\] must be \[2, 4, 6\]"),
+           ({**start, "extra": start["top_pose"]}, r"'top_logits', 'top_pose'\], or the parts' two alone"),
+           ({k: v for k, v in start.items() if k != "top_pose"}, r"Received: \['part_logits', 'part_pose', 'top_logits'\]")]
+    for parameters, message in bad:
+        with pytest.raises(InputError, match=message):
+            model.refine(images, 1, parameters=parameters)
+        with pytest.raises(InputError, match=message):
+            model.mean_bound(images, parameters)
+    for draws in (0, -1, 2.5):
+        with pytest.raises(InputError, match=rf"^draws must be an integer >= 1\. Received: draws={draws}$"):
+            model.mean_bound(images, start, draws=draws)
+
+
 def test_refine_by_plain_gradient_ascent_takes_the_bounds_gradient_step():
     model = _tiny_autoencoder()
     images = tf.constant(np.random.default_rng(3).uniform(size=(3, 12, 12, 1)).astype("float32"))

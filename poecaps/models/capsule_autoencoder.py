@@ -159,6 +159,8 @@ from poecaps.validation import (
     check_integer,
     check_number,
     check_seed,
+    sizes_fit,
+    static_shape,
 )
 
 
@@ -433,12 +435,34 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         top_logits, top_pose = self.encode_top(tf.sigmoid(part_logits), part_pose)
         return {"part_logits": part_logits, "part_pose": part_pose, "top_logits": top_logits, "top_pose": top_pose}
 
+    def _check_parameters(self, images, parameters):
+        """Raise `InputError` unless `parameters` is `variational_parameters`' dict for `images`, with or without
+        the top's two keys (`bound_terms` then reads the top from the drawn parts), shaped `[B, N]`,
+        `[B, N, 6]`, `[B, K]`, `[B, K, 6]` for the images' batch size B."""
+        g = self.generative
+        batch = static_shape(images)[0]
+        expected = {"part_logits": (batch, g.num_parts), "part_pose": (batch, g.num_parts, 6),
+                    "top_logits": (batch, g.num_top), "top_pose": (batch, g.num_top, 6)}
+        keys = set(parameters) if isinstance(parameters, dict) else None
+        if keys not in (set(expected), set(list(expected)[:2])):
+            found = sorted(keys) if keys is not None else type(parameters).__name__
+            raise InputError(f"parameters must be the dict of variational_parameters: keys {sorted(expected)}, "
+                             f"or the parts' two alone. Received: {found}")
+        for name, shape in ((name, shape) for name, shape in expected.items() if name in parameters):
+            found = static_shape(parameters[name])
+            if len(found) != len(shape) or not all(map(sizes_fit, found, shape)):
+                raise InputError(f"parameters[{name!r}] must be {list(shape)} for {batch} images (K = {g.num_top} "
+                                 f"top capsules, N = {g.num_parts} parts). Received: shape={found}")
+
     def mean_bound(self, images, parameters, draws=8, seed=0):
-        """The bound per image `[B]` at `parameters`, averaged over `draws` draws of the presences.
+        """The bound per image `[B]` at `parameters`, averaged over `draws` (>= 1) draws of the presences.
 
         The draws are a pure function of `seed`: two parameter sets compared
         at one seed see the same noise (common random numbers).
         """
+        draws = check_integer(draws, "draws")
+        check_image_batch(images, self.generative.image_size, type(self).__name__)
+        self._check_parameters(images, parameters)
         seeds = tf.random.experimental.stateless_split(tf.constant([check_seed(seed), 1], tf.int64), draws)
         total = 0.0
         for d in range(draws):
@@ -472,6 +496,9 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         check_choice(optimizer, "optimizer", OPTIMIZERS)
         images = tf.convert_to_tensor(images)
         parts_only = check_flag(parts_only, "parts_only")
+        check_image_batch(images, self.generative.image_size, type(self).__name__)
+        if parameters is not None:
+            self._check_parameters(images, parameters)
         start = self.variational_parameters(images) if parameters is None else parameters
         names = ["part_logits", "part_pose"] if parts_only else sorted(start)
         found = dict(zip(names, _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names,
