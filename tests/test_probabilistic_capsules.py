@@ -390,6 +390,17 @@ def test_refine_and_mean_bound_check_the_parameters_and_draws_they_are_given():
     for draws in (0, -1, 2.5):
         with pytest.raises(InputError, match=rf"^draws must be an integer >= 1\. Received: draws={draws}$"):
             model.mean_bound(images, start, draws=draws)
+    # bound_terms takes the top's two parameters together (one alone read the other as a pose of shape ()), and
+    # encode_top the parts' presences [B, N] and poses [B, N, 6] (before, a reshape failed inside it, or took
+    # 4 examples of 5 parts for 5 examples of 4 until a later concatenation failed).
+    with pytest.raises(InputError, match=r"top_logits and top_pose together, or neither .*Received: only top_logits$"):
+        model.bound_terms(images, start["part_logits"], start["part_pose"], top_logits=start["top_logits"])
+    with pytest.raises(InputError, match=r"^part_presence must be \[batch, 4\]"):
+        model.encode_top(tf.ones((4, 5)), tf.ones((4, 5, 6)))
+    with pytest.raises(InputError, match=r"^part_pose must be \[batch, 4, 6\]"):
+        model.encode_top(tf.ones((2, 4)), tf.ones((2, 4, 5)))
+    with pytest.raises(InputError, match=r"share one batch size"):
+        model.encode_top(tf.ones((2, 4)), tf.ones((3, 4, 6)))
 
 
 def test_refine_by_plain_gradient_ascent_takes_the_bounds_gradient_step():

@@ -347,7 +347,9 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         return pooled[..., 0], pooled[..., 1:] + tf.cast(self.part_pose_offset, pooled.dtype), entropy
 
     def encode_top(self, part_presence, part_pose, training=False):
-        """`(presence logits [B, K], poses A_i [B, K, 6])` of q(t_i, A_i | t_j, A_j)."""
+        """`(presence logits [B, K], poses A_i [B, K, 6])` of q(t_i, A_i | t_j, A_j), from the parts' presences
+        `[B, N]` and poses `[B, N, 6]`."""
+        self.generative._check_latents(part_presence=part_presence, part_pose=part_pose)
         n = self.generative.num_parts
         identity = tf.constant(compositing.IDENTITY, part_pose.dtype)
         if self.equivariant_top:
@@ -391,6 +393,9 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         """
         g = self.generative
         check_image_batch(images, g.image_size, type(self).__name__)
+        if (top_logits is None) != (top_pose is None):
+            raise InputError("bound_terms takes top_logits and top_pose together, or neither (the top encoder then "
+                             f"reads the drawn parts). Received: only {'top_pose' if top_logits is None else 'top_logits'}")
         seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
         part_presence = concrete.sample(part_logits, g.temperature, seeds[0])
         seen_presence, seen_pose = part_presence, part_pose                 # the parts as the top layer sees them
