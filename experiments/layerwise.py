@@ -256,6 +256,22 @@ def _resume_state(run, config, resume):
     return state
 
 
+# The stages whose trained models a capsule stage starts from.
+PREREQUISITES = {"encoder": ("autoencoder",), "decoder": ("autoencoder", "encoder")}
+
+
+def _check_prerequisites(run, stages):
+    """Refuse, before the run is touched, a stage whose prerequisites neither train in this call nor lie
+    trained in `run.models` (without the check a run lost its logs and checkpoints first)."""
+    for stage in stages:
+        missing = [need for need in PREREQUISITES.get(stage, ())
+                   if need not in stages and not os.path.exists(os.path.join(run.models, f"{need}.keras"))]
+        if missing:
+            raise InputError(f"The {stage!r} stage starts from a trained {' and '.join(missing)}, and "
+                             f"{run.models} has none; train the {', '.join(map(repr, missing))} "
+                             f"stage{'s' if len(missing) > 1 else ''} first (or with it).")
+
+
 def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     """Train `stages` (a non-empty list of `STAGES`; each once, in training order) into `run_dir`; returns
     `{stage: seconds}` of every stage the run has trained (this call's and, resumed, the earlier ones), in
@@ -278,6 +294,7 @@ def train_layerwise(config, run_dir, record=None, stages=STAGES, resume=False):
     keras.utils.set_random_seed(config.seed)
     run = RunDir(run_dir, create="later")
     state = _resume_state(run, config, resume)
+    _check_prerequisites(run, stages)
     # The data before the run is touched: images that cannot be read leave the run as it was.
     train, _, source = load_images(config, "train")
     test, _, _ = load_images(config, "test")

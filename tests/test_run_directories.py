@@ -348,6 +348,29 @@ def test_layerwise_training_refuses_stages_it_would_misread_and_leaves_the_run(t
     assert os.listdir(tmp_path / "checkpoints" / "autoencoder") == ["kept"]
 
 
+@pytest.mark.parametrize("stages, message", [
+    (["encoder"], (r"^The 'encoder' stage starts from a trained autoencoder, and .* has none; train the "
+                  r"'autoencoder' stage first \(or with it\)\.$")),
+    (["decoder", "rbm"], (r"^The 'decoder' stage starts from a trained autoencoder and encoder, .* train the "
+                         r"'autoencoder', 'encoder' stages first")),
+])
+def test_layerwise_training_refuses_a_stage_without_its_prerequisites_and_leaves_the_run(tmp_path, stages,
+                                                                                         message):
+    """Before, the run's logs and checkpoints were discarded first and the stage then failed on the missing
+    model: `--stage decoder` on a run whose autoencoder alone was trained lost the autoencoder's curves."""
+    _write(str(tmp_path), "checkpoints/autoencoder/kept", "earlier run")
+    _write(str(tmp_path), "metrics.jsonl", "{}\n")
+    with pytest.raises(layerwise.InputError, match=message):
+        layerwise.train_layerwise(LayerwiseConfig(**TINY), str(tmp_path), stages=stages)
+    assert os.listdir(tmp_path / "checkpoints" / "autoencoder") == ["kept"]
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
+    # A trained autoencoder in the run's models is enough for the encoder stage (checked before any work).
+    _write(str(tmp_path), "models/autoencoder.keras", "")
+    layerwise._check_prerequisites(layerwise.RunDir(str(tmp_path), create=False), ["encoder"])
+    with pytest.raises(layerwise.InputError, match=r"starts from a trained encoder, "):
+        layerwise._check_prerequisites(layerwise.RunDir(str(tmp_path), create=False), ["decoder"])
+
+
 def test_layerwise_training_trains_each_given_stage_once_in_training_order(tmp_path, monkeypatch):
     """Stages given out of order, or twice, train each once with an encoder after its autoencoder (before, in
     the order given: the encoder before the autoencoder it reads, the decoder twice)."""
