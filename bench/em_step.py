@@ -180,7 +180,7 @@ def main():
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--seed", type=count(0), default=0)
     p.add_argument("--repeats", type=count(), default=3)
-    p.add_argument("--chunk-capsules", type=count(), default=CHUNK_CAPSULES,
+    p.add_argument("--chunk-capsules", type=count(0), default=CHUNK_CAPSULES,
                    help="lower capsules routed together (0: all at once)")
     p.add_argument("--shards", type=count(), default=default_shards(),
                    help="concurrent XLA parts of the batch in the sharded variant")
