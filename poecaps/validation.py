@@ -112,6 +112,11 @@ def sizes_fit(a, b):
     return a is None or b is None or a == b
 
 
+def shape_fits(shape, expected):
+    """Whether `shape` has `expected`'s rank and every size fits (`sizes_fit`: None, unknown or any, fits)."""
+    return len(shape) == len(expected) and all(map(sizes_fit, shape, expected))
+
+
 def check_array(array, name, shape=None, low=None, high=None, what="values", dtype="float32"):
     """Check that `array` is a non-empty finite float array of `[N, *shape]` within [low, high].
 
@@ -161,7 +166,7 @@ def check_image_batch(images, image_size, owner, channels=1):
     """
     shape = static_shape(images)
     expected = (*image_size, channels)
-    if len(shape) != 4 or not all(map(sizes_fit, shape[1:], expected)):
+    if not shape_fits(shape, (None, *expected)):
         raise InputError(f"{owner} takes images of shape [batch, {image_size[0]}, {image_size[1]}, {channels}]. "
                          f"Received: shape={shape}")
 

@@ -21,7 +21,7 @@ from poecaps.validation import (
     check_integers,
     check_number,
     check_seed,
-    sizes_fit,
+    shape_fits,
 )
 
 
@@ -39,7 +39,7 @@ def _check_chain_shape(chain_shape):
 
 def _check_chain_fits(chain_shape, batch_shape):
     """An `InputError` unless the chains hold visible units of the batch's shape (an unknown size fits any)."""
-    if len(chain_shape) != len(batch_shape) or not all(map(sizes_fit, chain_shape[1:], batch_shape[1:])):
+    if not shape_fits(chain_shape, (None, *batch_shape[1:])):
         raise InputError(f"The persistent chains hold visible units of shape {chain_shape[1:]} (chain_shape="
                          f"{chain_shape}), the batch's are {batch_shape[1:]}; give chain_shape as "
                          "[chains, *the visible units' shape].")

@@ -10,7 +10,7 @@ from poecaps.validation import (
     check_integers,
     check_number,
     check_seed,
-    sizes_fit,
+    shape_fits,
 )
 
 
@@ -103,7 +103,7 @@ class ConvAutoencoder(keras.layers.Layer):
             raise InputError(f"{self.name} is not built: it learns its code's shape from images (call it on images "
                              f"or build it with their shape first)")
         shape = tuple(code.shape)
-        if len(shape) != 4 or not all(map(sizes_fit, shape[1:], self.code_shape)):
+        if not shape_fits(shape, (None, *self.code_shape)):
             raise InputError(f"{self.name} decodes codes of shape [batch, {', '.join(map(str, self.code_shape))}]. "
                              f"Received: shape={shape}")
         # Tied weights: the encoder's kernels, used transposed.

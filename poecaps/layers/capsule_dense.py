@@ -6,7 +6,7 @@ from keras import ops
 from poecaps import routing as routing_lib
 from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
-from poecaps.validation import check_choice, check_flag, check_integers, sizes_fit
+from poecaps.validation import check_choice, check_flag, check_integers, shape_fits
 
 POSES = ("vector", "matrix")
 
@@ -46,14 +46,13 @@ def check_capsule_inputs(layer, inputs_shape, expected, activations=None, what="
     `H != W`) are reshaped into place without a word.
     """
     inputs_shape = tuple(inputs_shape)
-    if len(inputs_shape) != len(expected) or not all(map(sizes_fit, inputs_shape, expected)):
+    if not shape_fits(inputs_shape, expected):
         raise InputError(f"{layer.name} was built for {what} of shape {list(expected)} (None: any size). "
                          f"Received: {what} of shape {list(inputs_shape)}")
     if activations is None:
         return
     activations_shape = tuple(activations.shape)
-    if len(activations_shape) != len(inputs_shape) - 1 or not all(
-            map(sizes_fit, activations_shape, inputs_shape[:-1])):
+    if not shape_fits(activations_shape, inputs_shape[:-1]):
         raise InputError(f"{layer.name}: activations must have the inputs' shape without the pose axis, "
                          f"{list(inputs_shape[:-1])}. Received: activations of shape {list(activations_shape)}")
 

@@ -18,6 +18,7 @@ from poecaps.validation import (
     check_integers,
     check_labels,
     check_seed,
+    shape_fits,
     sizes_fit,
 )
 
@@ -141,7 +142,7 @@ class CapsNet(keras.Model):
         if self.decoder is None:
             raise InputError("This CapsNet was built with reconstruction=False; it has no decoder.")
         shape, expected = tuple(poses.shape), (None, self.num_classes, self.class_dim)
-        if len(shape) != 3 or not all(map(sizes_fit, shape, expected)):
+        if not shape_fits(shape, expected):
             raise InputError(f"poses must be the class capsules [batch, {self.num_classes}, {self.class_dim}]. "
                              f"Received: shape={shape}")
         classes = np.asarray(classes) if isinstance(classes, (list, tuple)) else classes

@@ -159,7 +159,7 @@ from poecaps.validation import (
     check_integer,
     check_number,
     check_seed,
-    sizes_fit,
+    shape_fits,
     static_shape,
 )
 
@@ -455,7 +455,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                              f"or the parts' two alone. Received: {found}")
         for name, shape in ((name, shape) for name, shape in expected.items() if name in parameters):
             found = static_shape(parameters[name])
-            if len(found) != len(shape) or not all(map(sizes_fit, found, shape)):
+            if not shape_fits(found, shape):
                 raise InputError(f"parameters[{name!r}] must be {list(shape)} for {batch} images (K = {g.num_top} "
                                  f"top capsules, N = {g.num_parts} parts). Received: shape={found}")
 

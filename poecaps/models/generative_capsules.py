@@ -11,7 +11,13 @@ import tensorflow as tf
 from poecaps import distribute, vmf
 from poecaps.errors import InputError
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_flag, check_integer, check_number, check_seed, sizes_fit
+from poecaps.validation import (
+    check_flag,
+    check_integer,
+    check_number,
+    check_seed,
+    shape_fits,
+)
 
 _TINY = 1e-9
 
@@ -122,7 +128,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
             return tf.ones(tf.shape(children)[:2], children.dtype)
         activations = tf.convert_to_tensor(activations)
         shape = tuple(activations.shape)
-        if len(shape) != 2 or not all(map(sizes_fit, shape, children.shape[:2])):
+        if not shape_fits(shape, children.shape[:2]):
             raise InputError(f"activations must be [batch, children] = {list(children.shape[:2])}. Received: "
                              f"shape={shape}")
         return tf.cast(activations, children.dtype)
@@ -130,7 +136,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
     def _check_parents(self, v):
         """`InputError` unless `v` holds the parents' poses `[B, J, D_p]`."""
         shape = tuple(v.shape)
-        if len(shape) != 3 or not all(map(sizes_fit, shape[1:], (self.num_parents, self.parent_dim))):
+        if not shape_fits(shape, (None, self.num_parents, self.parent_dim)):
             raise InputError(f"v must be the parents' poses [batch, {self.num_parents}, {self.parent_dim}]. "
                              f"Received: shape={shape}")
 
@@ -172,7 +178,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         params = params or self._parameters(children.dtype)
         a = self._activations(children, activations)
         log_lik = self.child_log_likelihoods(children, v, params)
-        if len(r.shape) != 3 or not all(map(sizes_fit, r.shape, log_lik.shape)):
+        if not shape_fits(r.shape, log_lik.shape):
             raise InputError(f"r must be the posterior over the parents [batch, children, parents] = "
                              f"{list(log_lik.shape)}. Received: shape={tuple(r.shape)}")
         per_child = tf.reduce_sum(r * (params["log_pi"] + log_lik - tf.math.log(r + 1e-30)), -1)

@@ -68,7 +68,7 @@ from poecaps.validation import (
     check_integers,
     check_number,
     check_seed,
-    sizes_fit,
+    shape_fits,
     static_shape,
 )
 
@@ -136,7 +136,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
         for name, value in latents.items():
             shape = static_shape(value)
             want = expected[name]
-            if len(shape) != len(want) + 1 or not all(map(sizes_fit, shape[1:], want)):
+            if not shape_fits(shape, (None, *want)):
                 raise InputError(f"{name} must be [batch, {', '.join(map(str, want))}] (K = {k} top capsules, "
                                  f"N = {n} parts). Received: shape={shape}")
             if shape[0] is not None:

@@ -6,7 +6,7 @@ import keras
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.validation import check_integer, sizes_fit
+from poecaps.validation import check_integer, shape_fits
 
 RoutingResult = collections.namedtuple("RoutingResult", ["poses", "activations", "coefficients"])
 RoutingResult.__doc__ = """What a routing procedure returns.
@@ -22,8 +22,7 @@ def check_activations(router, votes_shape, activations_shape):
     `[B, I, J, D]` (sizes unknown while tracing, None, match any)."""
     if votes_shape is None or activations_shape is None or len(votes_shape) != 4:
         return      # not array-like, or votes of another rank, which Keras' input spec refuses
-    fits = len(activations_shape) == 2 and all(map(sizes_fit, activations_shape, votes_shape[:2]))
-    if not fits:
+    if not shape_fits(activations_shape, votes_shape[:2]):
         raise InputError(f"{type(router).__name__}: activations must be [B, I] = {list(votes_shape[:2])} for votes "
                          f"[B, I, J, D] of shape {list(votes_shape)}. Received: activations of shape "
                          f"{list(activations_shape)}")

@@ -8,7 +8,7 @@ from poecaps.capsules import norm, squash
 from poecaps.errors import InputError
 from poecaps.inference import descend
 from poecaps.routing.base import Routing, RoutingResult, check_activations
-from poecaps.validation import check_choice, check_number, sizes_fit
+from poecaps.validation import check_choice, check_number, shape_fits
 
 NORMALIZATIONS = ("parents", "children")
 
@@ -80,7 +80,7 @@ class SparseInferenceRouting(Routing):
         if targets is not None:
             label_weight = check_number(label_weight, "label_weight", minimum=0)
             shape, expected = tuple(targets.shape), tuple(votes.shape[:1]) + tuple(votes.shape[2:3])
-            if len(shape) != 2 or not all(map(sizes_fit, shape, expected)):
+            if not shape_fits(shape, expected):
                 raise InputError(f"targets must be [B, J] = {list(expected)}, one length per parent. Received: "
                                  f"targets of shape {list(shape)}")
         p, _ = self.prediction(votes, activations)
