@@ -49,9 +49,7 @@ def parameters(rbm):
     """`(W [V, H], b [V], a [H])` of a built `BernoulliRBM`, as float64 NumPy."""
     if not isinstance(rbm, BernoulliRBM):
         raise InputError(f"rbm must be a poecaps.rbm.BernoulliRBM. Received: {type(rbm).__name__}")
-    if not rbm.built or not hasattr(rbm, "kernel"):
-        raise InputError("The RBM has no weights yet; build it (call it on a batch, or rbm.build((None, V))) "
-                         "or train it first.")
+    rbm.require_weights()
     return tuple(np.asarray(w, dtype=np.float64) for w in (rbm.kernel, rbm.visible_bias, rbm.hidden_bias))
 
 

@@ -49,12 +49,19 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
         self.hidden_bias = self.add_weight(name="hidden_bias", shape=(self.num_hidden,),
                                            initializer="zeros")
 
+    def require_weights(self):
+        """Raise `InputError` unless the layer is built (its weights exist)."""
+        if not self.built or not hasattr(self, "kernel"):
+            raise InputError(f"{self.name} has no weights yet; build it (call it on a batch, or "
+                             "rbm.build((None, V))) or train it first.")
+
     def _check_units(self, x, kind):
         """Refuse, naming both sizes, an `x` whose last axis is not as wide as the `kind` ("visible" or "hidden")
         units; the layer is built for visible units first. Static shapes: unknown sizes fit any."""
         shape = static_shape(x)
         if kind == "visible" and not self.built:
             self.build(shape)
+        self.require_weights()
         units = self.kernel.shape[0] if kind == "visible" else self.num_hidden
         if not shape or shape[-1] not in (units, None):
             raise InputError(f"{self.name} has {units} {kind} units. Received: {kind} units of shape {shape}")

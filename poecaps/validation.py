@@ -102,6 +102,15 @@ def check_image_size(image_size):
     return tuple(int(s) for s in image_size)
 
 
+def check_image_shape(image_shape, name="image_shape"):
+    """`(height, width, channels)`, three integers >= 1, as a tuple of ints; else an `InputError` naming it."""
+    if (not isinstance(image_shape, (tuple, list)) or len(image_shape) != 3
+            or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in image_shape)):
+        raise InputError(f"{name} must be (height, width, channels), three integers >= 1. "
+                         f"Received: {name}={image_shape!r}")
+    return tuple(int(s) for s in image_shape)
+
+
 def check_integers(minimum=1, **values):
     """`check_integer` of each keyword argument, named by its keyword; returns the ints in the same order."""
     return tuple(check_integer(value, name, minimum) for name, value in values.items())

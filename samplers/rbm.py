@@ -4,7 +4,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.errors import InputError
-from poecaps.validation import check_integer, check_seed
+from poecaps.validation import check_image_shape, check_integer, check_seed
 
 
 class RBMSampler:
@@ -25,7 +25,7 @@ class RBMSampler:
 
     def __init__(self, rbm, image_shape, seed=0):
         self.rbm = rbm
-        self.image_shape = tuple(image_shape)
+        self.image_shape = check_image_shape(image_shape)
         self.seed = check_seed(seed)
 
     def sample(self, rows=4):

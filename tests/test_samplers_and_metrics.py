@@ -130,11 +130,20 @@ def test_rbm_sampler_draws_each_unit_clamped_on_as_a_numpy_reference_does(rng):
 @pytest.mark.parametrize("rows, image_shape, message", [
     (0, (3, 2, 1), r"rows must be an integer >= 1. Received: rows=0"),
     (2, (3, 3, 1), r"image_shape \(3, 3, 1\) must hold the RBM's 6 visible units"),
+    # not (H, W, C): before, (6,) drew [rows, units, 6] images and (-3, -2, 1) failed in NumPy's reshape
+    (2, (6,), r"image_shape must be \(height, width, channels\), three integers >= 1\. Received: image_shape=\(6,\)"),
+    (2, (-3, -2, 1), r"Received: image_shape=\(-3, -2, 1\)"),
 ])
 def test_rbm_sampler_refuses_rows_and_image_shapes_it_cannot_draw(rows, image_shape, message):
     rbm = _built(BernoulliRBM(4, seed=0), (6,))
     with pytest.raises(InputError, match=message):
         samplers.RBMSampler(rbm, image_shape).sample(rows)
+
+
+def test_rbm_sampler_refuses_an_rbm_without_weights():
+    """Before, an unbuilt RBM failed with AttributeError 'kernel' in `visible_probabilities`."""
+    with pytest.raises(InputError, match=r"has no weights yet; build it"):
+        samplers.RBMSampler(BernoulliRBM(4, seed=0), (3, 2, 1)).sample(2)
 
 
 def test_unknown_sampler():

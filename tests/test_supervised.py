@@ -129,6 +129,11 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
 
 @pytest.mark.parametrize("make, kwargs, message", [
     (CapsNet, {"image_shape": (28, 28), "num_classes": 10}, "image_shape must be"),
+    # a float or a bool size: before, the first failed in Keras' Dense (units=784.0), the second built a model
+    (CapsNet, {"image_shape": (28.0, 28, 1), "num_classes": 10},
+     r"image_shape must be \(height, width, channels\), three integers >= 1\. Received: image_shape=\(28\.0, 28, 1\)"),
+    (RoutingCapsNet, {"image_shape": (28, 28, True), "num_classes": 10}, r"Received: image_shape=\(28, 28, True\)"),
+    (MatrixCapsNet, {"image_shape": 28, "num_classes": 10}, r"Received: image_shape=28"),
     (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 1}, "num_classes must be"),
     (MatrixCapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "routing_iterations": 0},
      r"routing_iterations must be an integer >= 1\. Received: routing_iterations=0"),

@@ -14,6 +14,7 @@ from poecaps.routing import DynamicRouting
 from poecaps.validation import (
     check_flag,
     check_image_batch,
+    check_image_shape,
     check_integer,
     check_integers,
     check_labels,
@@ -24,15 +25,14 @@ from poecaps.validation import (
 
 
 def check_classifier_arguments(image_shape, num_classes, convolutions=()):
-    """Return `num_classes` as an int; `InputError` unless it is an integer >= 2, `image_shape` is (H, W, C),
-    and H and W leave at least one position after the network's unpadded `convolutions` ((kernel, stride)
+    """Return `(image_shape, num_classes)` as a tuple of ints and an int; `InputError` unless `num_classes` is
+    an integer >= 2, `image_shape` is (H, W, C) (`check_image_shape`), and H and W leave at least one position after the network's unpadded `convolutions` ((kernel, stride)
     pairs, bottom up).
 
     An unpadded convolution maps a side n to floor((n - kernel) / stride) + 1, so the smallest side that
     leaves one position is found top down: n_in = (n_out - 1) * stride + kernel, from n_out = 1.
     """
-    if len(image_shape) != 3 or min(image_shape) <= 0:
-        raise InputError(f"image_shape must be (height, width, channels). Received: image_shape={image_shape}")
+    image_shape = check_image_shape(image_shape)
     num_classes = check_integer(num_classes, "num_classes", minimum=2)
     side = 1
     for kernel, stride in reversed(convolutions):
@@ -40,8 +40,8 @@ def check_classifier_arguments(image_shape, num_classes, convolutions=()):
     if min(image_shape[:2]) < side:
         raise InputError(f"image_shape is too small: the network's unpadded convolutions (kernel, stride) "
                          f"{tuple(convolutions)} need at least {side} x {side} pixels. "
-                         f"Received: image_shape={tuple(image_shape)}")
-    return num_classes
+                         f"Received: image_shape={image_shape}")
+    return image_shape, num_classes
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -84,8 +84,8 @@ class CapsNet(keras.Model):
         conv_filters, primary_types, primary_dim, class_dim, kernel_size = check_integers(
             conv_filters=conv_filters, primary_types=primary_types, primary_dim=primary_dim,
             class_dim=class_dim, kernel_size=kernel_size)
-        num_classes = check_classifier_arguments(image_shape, num_classes, ((kernel_size, 1), (kernel_size, 2)))
-        self.image_shape = tuple(image_shape)
+        self.image_shape, num_classes = check_classifier_arguments(
+            image_shape, num_classes, ((kernel_size, 1), (kernel_size, 2)))
         self.num_classes = num_classes
         self.routing_iterations = check_integer(routing_iterations, "routing_iterations", minimum=0)
         self.reconstruction = reconstruction = check_flag(reconstruction, "reconstruction")

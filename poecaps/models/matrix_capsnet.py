@@ -60,8 +60,7 @@ class MatrixCapsNet(keras.Model):
                  kernel_initializer=None, chunk_capsules=CHUNK_CAPSULES, **kwargs):
         super().__init__(**kwargs)
         a, b, c, d, margin_steps = check_integers(a=a, b=b, c=c, d=d, margin_steps=margin_steps)
-        num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
-        self.image_shape = tuple(image_shape)
+        self.image_shape, num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
         self.num_classes = num_classes
         self.routing_iterations = routing_iterations = check_integer(routing_iterations, "routing_iterations")
         self.a, self.b, self.c, self.d = a, b, c, d

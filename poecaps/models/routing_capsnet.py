@@ -142,9 +142,9 @@ class RoutingCapsNet(keras.Model):
             filters=filters, primary_types=primary_types, conv_types=conv_types, margin_steps=margin_steps)
         routing_iterations = check_integer(routing_iterations, "routing_iterations", minimum=0)
         chunk_capsules = check_integer(chunk_capsules, "chunk_capsules", allow_none=True)
-        num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
+        image_shape, num_classes = check_classifier_arguments(image_shape, num_classes, CONVOLUTIONS)
         check_choice(loss, "loss", LOSSES)
-        self.image_shape = tuple(image_shape)
+        self.image_shape = image_shape
         self.num_classes = num_classes
         self.routing_iterations = routing_iterations
         self.loss = loss
