@@ -40,6 +40,12 @@ class EnergyModel:
 
     draws_random_numbers = False
 
+    def require_weights(self):
+        """Raise `InputError` unless the layer is built (its weights exist)."""
+        if not self.built or not hasattr(self, "kernel"):
+            raise InputError(f"{self.name} has no weights yet; build it (call it on a batch of visible units) "
+                             "or train it first.")
+
     def cd_gradients(self, x, steps=1, chain=None, sparsity=None):
         steps = check_integer(steps, "steps")
         if not self.built:
@@ -109,6 +115,7 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
     @property
     def visible_shape(self):
         """Shape of one example's visible units, `(I, D_in)`."""
+        self.require_weights()
         return (self.kernel.shape[0], self.kernel.shape[3])
 
     def _check_visible(self, x):
@@ -130,6 +137,7 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
         return energy.p_on(x, self.kernel, self.coefficients(x) if c is None else c)
 
     def reconstruct(self, x, steps=1):
+        self._check_visible(x)
         return energy.mix(x, self.kernel, self.coefficients(x), steps)[0]
 
     def _route_j(self, x):

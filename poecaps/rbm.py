@@ -49,12 +49,6 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
         self.hidden_bias = self.add_weight(name="hidden_bias", shape=(self.num_hidden,),
                                            initializer="zeros")
 
-    def require_weights(self):
-        """Raise `InputError` unless the layer is built (its weights exist)."""
-        if not self.built or not hasattr(self, "kernel"):
-            raise InputError(f"{self.name} has no weights yet; build it (call it on a batch, or "
-                             "rbm.build((None, V))) or train it first.")
-
     def _check_units(self, x, kind):
         """Refuse, naming both sizes, an `x` whose last axis is not as wide as the `kind` ("visible" or "hidden")
         units; the layer is built for visible units first. Static shapes: unknown sizes fit any."""
@@ -105,6 +99,7 @@ class BernoulliRBM(distribute.FullPrecision, keras.layers.Layer, EnergyModel):
     @property
     def visible_shape(self):
         """Shape of one example's visible units, `(V,)`."""
+        self.require_weights()
         return (self.kernel.shape[0],)
 
     def call(self, inputs):

@@ -147,3 +147,23 @@ def test_capsule_experts_and_rbm_config_round_trip_and_save(tmp_path, rng):
     _save_and_reload(tmp_path, keras.Model(inputs, rbm(inputs)), rng.uniform(size=(3, 6)).astype("float32"))
     with pytest.raises(InputError, match="num_hidden=0"):
         BernoulliRBM(0)
+
+
+@pytest.mark.parametrize("make", [lambda: CapsuleExperts(2, 3, name="poe"), lambda: BernoulliRBM(4, name="poe")])
+def test_energy_models_without_weights_say_so(make):
+    """Before, `visible_shape` (both) and the RBM's `visible_probabilities` raised AttributeError 'kernel'."""
+    with pytest.raises(InputError, match=r"^poe has no weights yet; build it \(call it on a batch of visible units\)"):
+        _ = make().visible_shape
+    if isinstance(make(), BernoulliRBM):
+        with pytest.raises(InputError, match=r"^poe has no weights yet"):
+            make().visible_probabilities(np.eye(4, dtype="float32"))
+
+
+def test_capsule_experts_reconstruct_builds_and_checks_its_visible_capsules(rng):
+    """`reconstruct` builds the layer for the capsules it is first given, as `free_energy` and `p_on` do (before,
+    AttributeError 'kernel'), and refuses capsules of another shape after."""
+    x = squash(rng.normal(size=(3, 5, 4)).astype("float32"))
+    experts = CapsuleExperts(2, 3, name="poe")
+    assert tuple(experts.reconstruct(x).shape) == (3, 5, 4) and experts.visible_shape == (5, 4)
+    with pytest.raises(InputError, match=r"poe was built for inputs of shape \[None, 5, 4\]"):
+        experts.reconstruct(x[:, :4])
