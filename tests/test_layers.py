@@ -53,6 +53,18 @@ def test_capsule_dense_invalid_arguments(kwargs, message):
         CapsuleDense(**kwargs)
 
 
+def test_capsule_dense_votes_build_and_check_the_inputs(rng):
+    """`votes` builds the layer for the first inputs, as `route` does (before, AttributeError 'kernel'), and
+    refuses inputs of another shape after (before, an einsum error)."""
+    x = rng.normal(size=(2, 6, 4)).astype("float32")
+    layer = CapsuleDense(3, 5, name="caps")
+    votes = ops.convert_to_numpy(layer.votes(x))
+    np.testing.assert_allclose(votes, np.einsum("bie,ijoe->bijo", x, ops.convert_to_numpy(layer.kernel)),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match=r"caps was built for inputs of shape \[None, 6, 4\]"):
+        layer.votes(x[:, :, :3])
+
+
 def test_capsule_dense_rejects_wrong_rank():
     with pytest.raises(InputError, match="input_shape"):
         CapsuleDense(2, 3).build((4, 8))

@@ -549,6 +549,15 @@ def test_the_vae_trains_saves_and_reloads(tmp_path):
         VariationalAutoencoder(latent=0)
 
 
+def test_the_vae_decoder_refuses_latents_of_another_width():
+    """Before, Keras' Sequential raised a ValueError about layer 'dense_2' for z [2, 4] of a 3-latent VAE."""
+    vae = _tiny_vae()
+    assert vae.decode(np.zeros((2, 3), "float32")).shape == (2, 6, 5, 1)
+    for z in (np.zeros((2, 4), "float32"), np.zeros((3,), "float32")):
+        with pytest.raises(InputError, match=re.escape(f"z must be latents [batch, 3]. Received: shape={z.shape}")):
+            vae.decode(z)
+
+
 def _numpy_information(logits):
     """I(image; capsule) for q_b(i) = t_bi / sum_k t_bk, t = sigmoid(logits), in float64."""
     t = 1.0 / (1.0 + np.exp(-np.asarray(logits, "float64")))

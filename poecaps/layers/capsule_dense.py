@@ -163,19 +163,25 @@ class CapsuleDense(keras.layers.Layer):
         """The matrices the votes use: `W`, or `W_ij / |W_ij|_F` with `frobenius_votes`."""
         return frobenius_normalized(self.kernel) if self.frobenius_votes else self.kernel
 
-    def votes(self, inputs):
-        return capsule_votes(inputs, self.voting_kernel(), self.pose)
-
-    def route(self, inputs, activations=None, training=None):
-        """The whole `RoutingResult` (poses, activations, coefficients)."""
+    def _check_inputs(self, inputs, activations=None):
+        """Build for the first inputs given; refuse inputs (and activations) that do not fit the kernel."""
         if not self.built:
             self.build(tuple(inputs.shape))
         check_capsule_inputs(self, inputs.shape, (None, self.kernel.shape[0], input_pose_dim(self.kernel, self.pose)),
                              activations)
+
+    def votes(self, inputs):
+        """The votes `u_hat [B, I, J, D_out]` (`capsule_votes`) of `inputs [B, I, D_in]`."""
+        self._check_inputs(inputs)
+        return capsule_votes(inputs, self.voting_kernel(), self.pose)
+
+    def route(self, inputs, activations=None, training=None):
+        """The whole `RoutingResult` (poses, activations, coefficients)."""
+        self._check_inputs(inputs, activations)
         if (self.pose == "vector" and hasattr(self.routing, "route_linear")
                 and self.num_capsules <= self.kernel.shape[0]):
             return self.routing.route_linear(inputs, self.voting_kernel(), activations)
-        return self.routing(self.votes(inputs), activations, training=training)
+        return self.routing(capsule_votes(inputs, self.voting_kernel(), self.pose), activations, training=training)
 
     def call(self, inputs, activations=None, training=None):
         return self.route(inputs, activations, training).poses

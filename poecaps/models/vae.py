@@ -31,12 +31,15 @@ import keras
 import tensorflow as tf
 
 from poecaps import distribute
+from poecaps.errors import InputError
 from poecaps.validation import (
     check_image_batch,
     check_image_size,
     check_integers,
     check_number,
     check_seed,
+    shape_fits,
+    static_shape,
 )
 
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -78,6 +81,9 @@ class VariationalAutoencoder(keras.Model):
 
     def decode(self, z):
         """The decoder's mean image `[B, H, W, 1]` at `z [B, L]`, in `z`'s dtype."""
+        shape = static_shape(z)
+        if not shape_fits(shape, (None, self.latent)):
+            raise InputError(f"z must be latents [batch, {self.latent}]. Received: shape={shape}")
         return tf.cast(self.decoder(z), z.dtype)
 
     def call(self, images):
