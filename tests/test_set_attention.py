@@ -150,6 +150,32 @@ def test_residual_width_is_checked_on_every_call_not_only_at_build():
         mab(np.zeros((2, 5, 6), "float32"), np.zeros((2, 4, 3), "float32"))
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda: AttentionPooling(8, 2, 1)(np.ones((2, 5), "float32")),
+     r"AttentionPooling '\w+': x must be a set \[batch, elements, features\]\. Received: shape=\(2, 5\)"),
+    (lambda: AttentionPooling(8, 2, 1)(np.ones((2, 5, 3, 3), "float32")), r"Received: shape=\(2, 5, 3, 3\)"),
+    (lambda: InducedSetAttention(8, 2, 3)(np.ones((2, 8), "float32")), r"x must be a set .*shape=\(2, 8\)"),
+    (lambda: MultiheadAttentionBlock(8, 2)(np.ones((2, 4, 8), "float32"), np.ones((2, 3), "float32")),
+     r"y must be a set \[batch, elements, features\]\. Received: shape=\(2, 3\)"),
+    (lambda: MultiheadAttentionBlock(8, 2)(np.ones((2, 4, 8), "float32"), np.ones((3, 3, 5), "float32")),
+     r"x and y must share one batch size\. Received: shapes \(2, 4, 8\) and \(3, 3, 5\)"),
+])
+def test_sets_of_another_rank_or_batch_are_refused_by_name(call, message):
+    """Before, TensorFlow's einsum (rank 2 or 4, two batch sizes) or Keras' Softmax (IndexError) failed inside
+    MultiHeadAttention."""
+    with pytest.raises(InputError, match=message):
+        call()
+
+
+def test_attention_pooling_refuses_another_feature_size_once_built():
+    """Before, Keras' Dense named its own input spec ('feed_forward'); now the layer names the built width."""
+    pool = AttentionPooling(8, 2, 1, name="pool")
+    assert pool(np.ones((2, 5, 3), "float32")).shape == (2, 1, 8)
+    with pytest.raises(InputError, match=r"'pool': x must have the 3 features it was built for\. "
+                                         r"Received: shape=\(2, 5, 4\)"):
+        pool(np.ones((2, 5, 4), "float32"))
+
+
 def test_config_round_trip_with_non_default_values():
     for layer in (MultiheadAttentionBlock(units=12, heads=3, name="m"),
                   InducedSetAttention(units=12, heads=3, inducing=5, name="i"),

@@ -13,14 +13,29 @@ import keras
 from keras import ops
 
 from poecaps.errors import InputError
-from poecaps.validation import check_integers
+from poecaps.validation import check_integers, sizes_fit
 
 
-def _check_width(shape, units, layer):
+def _check_sets(layer, x_shape, y_shape=None, x_width=None, width_text=None):
+    """Refuse, naming `layer`, a set `x` (and `y`) that is not `[B, n, e]`, sets of two batch sizes, or an `x`
+    whose feature size is not `x_width` (unknown sizes fit any; `width_text` says which width, and why)."""
+    sets = {"x": tuple(x_shape)} if y_shape is None else {"x": tuple(x_shape), "y": tuple(y_shape)}
+    for name, shape in sets.items():
+        if len(shape) != 3:
+            raise InputError(f"{type(layer).__name__} {layer.name!r}: {name} must be a set [batch, elements, "
+                             f"features]. Received: shape={shape}")
+    if y_shape is not None and not sizes_fit(sets["x"][0], sets["y"][0]):
+        raise InputError(f"{type(layer).__name__} {layer.name!r}: x and y must share one batch size. "
+                         f"Received: shapes {sets['x']} and {sets['y']}")
+    if x_width is not None and not sizes_fit(sets["x"][-1], x_width):
+        raise InputError(f"{type(layer).__name__} {layer.name!r}: x must have {width_text}. "
+                         f"Received: shape={sets['x']}")
+
+
+def _check_width(layer, x_shape, y_shape=None):
     """The queries X must have `units` features: the residual adds X to the attention's output."""
-    if shape[-1] is not None and shape[-1] != units:
-        raise InputError(f"{type(layer).__name__} {layer.name!r}: x must have `units` = {units} features "
-                         f"(the residual adds it to the attention's output). Received: shape={tuple(shape)}")
+    _check_sets(layer, x_shape, y_shape, layer.units,
+                f"`units` = {layer.units} features (the residual adds it to the attention's output)")
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -66,14 +81,14 @@ class MultiheadAttentionBlock(keras.layers.Layer):
         self.feed_forward = keras.layers.Dense(units, activation="relu", name="feed_forward", dtype=dtype)
 
     def build(self, x_shape, y_shape):
-        _check_width(x_shape, self.units, self)
+        _check_width(self, x_shape, y_shape)
         self.attention.build(x_shape, y_shape, y_shape)
         self.norm1.build(x_shape)
         self.feed_forward.build(x_shape)
         self.norm2.build(x_shape)
 
     def call(self, x, y):
-        _check_width(x.shape, self.units, self)
+        _check_width(self, x.shape, y.shape)
         h = self.norm1(x + self.attention(x, y, y))
         return self.norm2(h + self.feed_forward(h))
 
@@ -116,7 +131,7 @@ class InducedSetAttention(keras.layers.Layer):
         self.broadcast = MultiheadAttentionBlock(units, heads, name="broadcast", dtype=self.dtype_policy)
 
     def build(self, input_shape):
-        _check_width(input_shape, self.units, self)
+        _check_width(self, input_shape)
         self.points = self.add_weight(name="inducing_points", shape=(1, self.inducing, self.units),
                                       initializer="glorot_uniform")
         summary_shape = (input_shape[0], self.inducing, self.units)
@@ -124,7 +139,7 @@ class InducedSetAttention(keras.layers.Layer):
         self.broadcast.build(input_shape, summary_shape)
 
     def call(self, x):
-        _check_width(x.shape, self.units, self)
+        _check_width(self, x.shape)
         points = ops.repeat(self.points, ops.shape(x)[0], axis=0)
         return self.broadcast(x, self.summarise(points, x))
 
@@ -165,12 +180,15 @@ class AttentionPooling(keras.layers.Layer):
         self.block = MultiheadAttentionBlock(units, heads, name="block", dtype=self.dtype_policy)
 
     def build(self, input_shape):
+        _check_sets(self, input_shape)
         self.seed_vectors = self.add_weight(name="seed_vectors", shape=(1, self.seeds, self.units),
                                             initializer="glorot_uniform")
         self.feed_forward.build(input_shape)
         self.block.build((input_shape[0], self.seeds, self.units), (*input_shape[:-1], self.units))
 
     def call(self, x):
+        width = self.feed_forward.kernel.shape[0] if self.built else None
+        _check_sets(self, x.shape, x_width=width, width_text=f"the {width} features it was built for")
         seeds = ops.repeat(self.seed_vectors, ops.shape(x)[0], axis=0)
         return self.block(seeds, self.feed_forward(x))
 
