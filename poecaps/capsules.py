@@ -85,20 +85,25 @@ def with_length(x, axis=-1):
     return ops.concatenate([x, length(x)[..., None]], axis=-1) / math.sqrt(2.0)    # a Python float: x's dtype
 
 
+def check_code_shape(shape, capsule_dim):
+    """Raise `InputError` unless `shape` is a conv code's `[B, H, W, C]` with `capsule_dim` dividing `C` (unknown
+    while tracing: fits); returns `capsule_dim`."""
+    if len(shape) != 4:
+        raise InputError(f"A conv code must be [batch, height, width, channels]. Received: shape={shape}")
+    if shape[-1] is not None and shape[-1] % capsule_dim:
+        raise InputError(f"capsule_dim must divide the number of channels ({shape[-1]}). "
+                         f"Received: capsule_dim={capsule_dim}")
+    return capsule_dim
+
+
 def primary_capsules(code, capsule_dim):
     """Reshape a conv code `[B, H, W, C]` to `[B, H*W*C/capsule_dim, capsule_dim]`.
 
     Each spatial position's channels are split into `C / capsule_dim`
     consecutive groups (Hauser section 4.1: 6 x 6 x 128/8 = 576 capsules).
     """
-    capsule_dim = check_integer(capsule_dim, "capsule_dim")
-    channels = code.shape[-1]
-    if channels % capsule_dim:
-        raise InputError(
-            f"capsule_dim must divide the number of channels ({channels}). "
-            f"Received: capsule_dim={capsule_dim}"
-        )
-    h, w = code.shape[1], code.shape[2]
+    capsule_dim = check_code_shape(tuple(code.shape), check_integer(capsule_dim, "capsule_dim"))
+    h, w, channels = code.shape[1:]
     return ops.reshape(code, (-1, h * w * channels // capsule_dim, capsule_dim))
 
 

@@ -84,6 +84,19 @@ def test_primary_matrix_capsules_shapes(rng):
     assert np.all((ops.convert_to_numpy(act) > 0) & (ops.convert_to_numpy(act) < 1))
 
 
+def test_primary_matrix_capsules_refuse_other_maps_by_name(rng):
+    """Before, Keras' Conv2D refused a map without channels ("Kernel shape must have the same length as input")
+    and, once built, another channel count by its own name ('pose_conv')."""
+    layer = PrimaryMatrixCapsules(5, name="prim")
+    with pytest.raises(InputError, match=r"prim takes feature maps \[batch, height, width, channels\]\. "
+                                         r"Received: shape=\(2, 6, 6\)"):
+        layer(np.zeros((2, 6, 6), "float32"))
+    layer(np.zeros((2, 6, 6, 7), "float32"))
+    with pytest.raises(InputError, match=r"prim takes feature maps \[batch, height, width, channels = 7\]\. "
+                                         r"Received: shape=\(2, 6, 6, 8\)"):
+        layer(np.zeros((2, 6, 6, 8), "float32"))
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda: ConvCapsules(0), "num_capsules must be an integer >= 1"),
     (lambda: ConvCapsules(4, 15), "square capsule_dim"),

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from poecaps.capsules import squash
+from poecaps.capsules import primary_capsules, squash
 from poecaps.errors import InputError
 from poecaps.experts import CapsuleExperts
 from poecaps.layers import CapsuleDense, ConvAutoencoder, PrimaryCapsules
@@ -106,6 +106,11 @@ def test_primary_capsules(tmp_path, rng):
         PrimaryCapsules(3)(code)
     with pytest.raises(InputError, match="capsule_dim=0"):
         PrimaryCapsules(0)
+    # a code without its channel axis: before, its width was read as channels ("must divide the channels (3)")
+    for layer in (PrimaryCapsules(4), lambda c: primary_capsules(c, 4)):
+        with pytest.raises(InputError, match=r"A conv code must be \[batch, height, width, channels\]\. "
+                                             r"Received: shape=\(2, 3, 3\)"):
+            layer(code[..., 0])
 
 
 def test_conv_autoencoder_sizes_rgb_and_tied_weights(rng):

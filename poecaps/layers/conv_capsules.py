@@ -21,7 +21,7 @@ from poecaps.layers.capsule_dense import (
     pose_size,
 )
 from poecaps.routing.base import RoutingResult
-from poecaps.validation import check_flag, check_integer, check_integers
+from poecaps.validation import check_flag, check_integer, check_integers, sizes_fit
 
 
 def _check_capsule_map(input_shape, layer):
@@ -282,11 +282,20 @@ class PrimaryMatrixCapsules(keras.layers.Layer):
         self.activation_conv = keras.layers.Conv2D(num_capsules, kernel_size, activation="sigmoid",
                                                    name="activation_conv", dtype=self.dtype_policy)
 
+    def _check_inputs(self, shape):
+        """Refuse, by name, inputs that are not `[B, H, W, A]`, or (once built) of another `A`."""
+        channels = self.pose_conv.kernel.shape[2] if self.built else None
+        if len(shape) != 4 or not sizes_fit(shape[-1], channels):
+            raise InputError(f"{self.name} takes feature maps [batch, height, width, channels"
+                             f"{'' if channels is None else ' = ' + str(channels)}]. Received: shape={shape}")
+
     def build(self, input_shape):
+        self._check_inputs(tuple(input_shape))
         self.pose_conv.build(input_shape)
         self.activation_conv.build(input_shape)
 
     def call(self, inputs):
+        self._check_inputs(tuple(inputs.shape))
         poses = self.pose_conv(inputs)
         h, w = poses.shape[1], poses.shape[2]
         poses = ops.reshape(poses, (-1, h, w, self.num_capsules, self.pose_side ** 2))

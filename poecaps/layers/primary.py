@@ -2,8 +2,7 @@
 
 import keras
 
-from poecaps.capsules import primary_capsules, squash
-from poecaps.errors import InputError
+from poecaps.capsules import check_code_shape, primary_capsules, squash
 from poecaps.validation import check_flag, check_integer
 
 
@@ -28,10 +27,7 @@ class PrimaryCapsules(keras.layers.Layer):
         self.squash = check_flag(squash, "squash")
 
     def build(self, input_shape):
-        if input_shape[-1] % self.capsule_dim:
-            raise InputError(
-                f"capsule_dim must divide the channels ({input_shape[-1]}). "
-                f"Received: capsule_dim={self.capsule_dim}")
+        check_code_shape(tuple(input_shape), self.capsule_dim)
 
     def call(self, code):
         capsules = primary_capsules(code, self.capsule_dim)
