@@ -80,6 +80,9 @@ def _from_idx_dir(directory, split):
     images_name, labels_name = _IDX_FILES[split]
     images = read_idx(os.path.join(directory, images_name))
     labels = read_idx(os.path.join(directory, labels_name))
+    if images.ndim not in (3, 4) or labels.ndim != 1:
+        raise DataError(f"{directory}: {images_name} must hold images [N, H, W] or [N, H, W, C] and {labels_name} "
+                        f"labels [N]. Received: shapes {images.shape} and {labels.shape}")
     if len(images) != len(labels):
         raise DataError(f"{directory}: {len(images)} images but {len(labels)} labels")
     if images.ndim == 3:

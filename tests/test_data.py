@@ -1,5 +1,6 @@
 import gzip
 import os
+import re
 import struct
 
 import numpy as np
@@ -52,6 +53,20 @@ def test_truncated_idx_file_is_a_clear_error(idx_dir):
     with gzip.open(path, "wb") as handle:
         handle.write(raw[:-7])
     with pytest.raises(data.DataError, match="truncated or corrupted"):
+        data.load_arrays("mnist", "train", data_dir=str(idx_dir), source="idx")
+
+
+@pytest.mark.parametrize("images, labels", [
+    (np.arange(6) % 3, np.arange(6) % 3),                  # images without pixels: before, loaded as [6]
+    (np.zeros((6, 5, 5)), np.zeros((6, 2))),               # labels with a second axis: before, loaded as [6, 2]
+])
+def test_idx_files_of_the_wrong_rank_are_a_clear_error(idx_dir, images, labels):
+    _write_idx(idx_dir / "train-images-idx3-ubyte.gz", images)
+    _write_idx(idx_dir / "train-labels-idx1-ubyte.gz", labels)
+    with pytest.raises(data.DataError, match=(r"train-images-idx3-ubyte must hold images \[N, H, W\] or "
+                                              r"\[N, H, W, C\] and train-labels-idx1-ubyte labels \[N\]\. "
+                                              rf"Received: shapes {re.escape(str(images.shape))} and "
+                                              rf"{re.escape(str(labels.shape))}")):
         data.load_arrays("mnist", "train", data_dir=str(idx_dir), source="idx")
 
 
