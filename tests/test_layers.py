@@ -132,7 +132,10 @@ def test_conv_autoencoder_paper_sizes(rng):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"filters": 0}, "filters=0"), ({"dropout": 1.5}, "dropout=1.5"), ({"strides": 0}, "strides=0")])
+    ({"filters": 0}, "filters=0"), ({"dropout": 1.5}, "dropout=1.5"), ({"strides": 0}, "strides=0"),
+    # before, taken as given: NaN made every output NaN, a string failed in the first call
+    ({"negative_slope": float("nan")}, r"negative_slope must be a finite number >= 0\. Received: negative_slope=nan"),
+    ({"negative_slope": "a"}, r"Received: negative_slope='a'")])
 def test_conv_autoencoder_invalid_arguments(kwargs, message):
     with pytest.raises(InputError, match=message):
         ConvAutoencoder(**kwargs)

@@ -135,6 +135,11 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
     (RoutingCapsNet, {"image_shape": (28, 28, True), "num_classes": 10}, r"Received: image_shape=\(28, 28, True\)"),
     (MatrixCapsNet, {"image_shape": 28, "num_classes": 10}, r"Received: image_shape=28"),
     (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 1}, "num_classes must be"),
+    # before, taken as given: a negative weight trains toward worse reconstructions, a string fails in training
+    (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "reconstruction_weight": -1.0},
+     r"reconstruction_weight must be a finite number >= 0\. Received: reconstruction_weight=-1\.0"),
+    (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "reconstruction_weight": "0.1"},
+     r"Received: reconstruction_weight='0\.1'"),
     (MatrixCapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "routing_iterations": 0},
      r"routing_iterations must be an integer >= 1\. Received: routing_iterations=0"),
     (CapsNet, {"image_shape": (28, 28, 1), "num_classes": 10, "primary_dim": 0},

@@ -29,7 +29,7 @@ class ConvAutoencoder(keras.layers.Layer):
         kernel_size: k.
         strides: stride of the second filter bank.
         dropout: dropout rate after each encoder activation (training only).
-        negative_slope: leaky ReLU slope.
+        negative_slope: leaky ReLU slope for negative inputs (>= 0).
 
     Call arguments:
         images: `[B, H, W, C]` in [0, 1].
@@ -47,7 +47,7 @@ class ConvAutoencoder(keras.layers.Layer):
         self.kernel_size = kernel_size
         self.strides = strides
         self.dropout = check_number(dropout, "dropout", minimum=0, below=1)
-        self.negative_slope = negative_slope
+        self.negative_slope = check_number(negative_slope, "negative_slope", minimum=0)
         self.seed = seed = check_seed(seed, allow_none=True)
         self.seed_generator = keras.random.SeedGenerator(seed)
 

@@ -18,6 +18,7 @@ from poecaps.validation import (
     check_integer,
     check_integers,
     check_labels,
+    check_number,
     check_seed,
     shape_fits,
     sizes_fit,
@@ -89,7 +90,7 @@ class CapsNet(keras.Model):
         self.num_classes = num_classes
         self.routing_iterations = check_integer(routing_iterations, "routing_iterations", minimum=0)
         self.reconstruction = reconstruction = check_flag(reconstruction, "reconstruction")
-        self.reconstruction_weight = reconstruction_weight
+        self.reconstruction_weight = check_number(reconstruction_weight, "reconstruction_weight", minimum=0)
         self.conv_filters = conv_filters
         self.primary_types = primary_types
         self.primary_dim = primary_dim
