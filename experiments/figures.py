@@ -68,19 +68,33 @@ def filters(kernel, path, title="First-layer filters"):
     image_grid(grid, path, title=title)
 
 
+def scaled_curve(values):
+    """`(values / scale, scale)` with `scale` the largest finite `|value|` (1 if there is none or it is 0), and
+    non-finite values as NaN (a gap in the curve)."""
+    values = np.array(values, dtype=float)
+    values[~np.isfinite(values)] = np.nan
+    finite = np.abs(values[np.isfinite(values)])
+    scale = float(finite.max()) if finite.size else 0.0
+    scale = scale or 1.0
+    return values / scale, scale
+
+
 def training_curves(metrics_path, path):
-    """Plot every numeric metric of `metrics.jsonl`, one panel per stage."""
+    """Plot every numeric metric of `metrics.jsonl`, one panel per stage, each curve divided by its largest finite
+    magnitude (non-finite values are left out of the curve). Returns whether a figure was saved: a file with no
+    records (a run stopped before its first epoch ended) has nothing to plot."""
     with open(metrics_path) as handle:
-        records = [json.loads(line) for line in handle]
+        records = [json.loads(line) for line in handle if line.strip()]
+    if not records:
+        return False
     stages = list(dict.fromkeys(r["stage"] for r in records))
     fig, axes = plt.subplots(1, len(stages), figsize=(4 * len(stages), 3), squeeze=False)
     for ax, stage in zip(axes[0], stages):
         rows = [r for r in records if r["stage"] == stage]
         keys = [k for k in rows[0] if k not in ("stage", "epoch") and isinstance(rows[0][k], float)]
         for key in keys:
-            values = np.array([r.get(key, np.nan) for r in rows], dtype=float)
-            scale = np.nanmax(np.abs(values)) or 1.0
-            ax.plot([r["epoch"] + 1 for r in rows], values / scale, marker="o",
+            values, scale = scaled_curve([r.get(key, np.nan) for r in rows])
+            ax.plot([r["epoch"] + 1 for r in rows], values, marker="o",
                     label=f"{key} (/{scale:.3g})")
         ax.set_title(stage)
         ax.set_xlabel("epoch")
@@ -88,6 +102,7 @@ def training_curves(metrics_path, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def per_epoch(entries, key):

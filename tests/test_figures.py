@@ -53,3 +53,30 @@ def test_line_panels_plots_a_dict_at_its_keys_and_a_sequence_at_its_index(tmp_pa
                         path, xlabel="epoch")
     assert [list(map(list, args)) for args in drawn] == [[[1, 3], [5.0, 7.0]], [[2.0, 4.0, 8.0]], [[1.0]]]
     assert matplotlib.image.imread(path).shape[:2] == (240, 640)      # one row of two 3.2 x 2.4 panels, dpi 100
+
+
+def test_training_curves_scale_each_metric_by_its_largest_finite_value(tmp_path, monkeypatch):
+    """Before, one infinite value set the scale (every other point 0) and an all-NaN metric a NaN scale, and a
+    file with no records failed in matplotlib ("Number of columns must be a positive integer, not 0")."""
+    import json
+
+    import matplotlib.axes
+
+    drawn = []
+    original = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *args, **kwargs: drawn.append((args, kwargs["label"]))
+                        or original(self, *args, **kwargs))
+    records = [{"stage": "encoder", "epoch": 0, "loss": float("inf"), "gap": float("nan")},
+               {"stage": "encoder", "epoch": 1, "loss": -4.0, "gap": float("nan")},
+               {"stage": "encoder", "epoch": 2, "loss": 2.0, "gap": float("nan")}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert figures.training_curves(metrics, tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
+    (x, loss), label = drawn[0]
+    assert list(x) == [1, 2, 3] and label == "loss (/4)"
+    np.testing.assert_array_equal(loss, [np.nan, -1.0, 0.5])
+    (_, gap), label = drawn[1]
+    assert label == "gap (/1)" and np.isnan(gap).all()
+    metrics.write_text("")
+    assert not figures.training_curves(metrics, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
