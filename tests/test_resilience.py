@@ -493,3 +493,11 @@ def test_progress_is_a_bar_at_a_terminal_or_notebook_and_a_line_per_epoch_in_a_l
         assert out.count("\r") >= 4 or out.count("\b") >= 4, out       # redrawn at least once a step
     else:
         assert "\r" not in out and "\b" not in out and out.count("4/4 - ") == 2, out   # one line per epoch
+
+
+@pytest.mark.parametrize("keep", [1, 2.5, "3", True])
+def test_checkpoint_manager_keeps_an_integer_of_at_least_two(tmp_path, keep):
+    """Before, 2.5 was taken (and failed later as a slice index), "3" raised TypeError from `<`, True passed."""
+    with pytest.raises(InputError, match=rf"^keep must be an integer >= 2\. Received: keep={keep!r}$"):
+        CheckpointManager(str(tmp_path / "ckpt"), keep=keep)
+    assert not (tmp_path / "ckpt").exists()

@@ -20,8 +20,9 @@ import re
 
 import numpy as np
 
-from poecaps.errors import CheckpointError, InputError
+from poecaps.errors import CheckpointError
 from poecaps.trainers.schedule import learning_rate_scale
+from poecaps.validation import check_integer
 
 _PATTERN = re.compile(r"ckpt-(\d{9})\.npz$")
 
@@ -72,10 +73,8 @@ class CheckpointManager:
     """
 
     def __init__(self, directory, keep=3, config=None, log=print):
-        if keep < 2:
-            raise InputError(f"keep must be >= 2. Received: keep={keep}")
         self.directory = directory
-        self.keep = keep
+        self.keep = check_integer(keep, "keep", minimum=2)
         self.config = config or {}
         self.log = log
         os.makedirs(directory, exist_ok=True)

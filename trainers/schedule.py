@@ -16,7 +16,7 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
     checkpoint can store it.
 
     Args:
-        schedule: a `LearningRateSchedule` or a float.
+        schedule: a `LearningRateSchedule` (or any callable of the step) or a learning rate (> 0).
         scale: the starting scale (> 0).
     """
 
@@ -24,6 +24,8 @@ class ScaledSchedule(keras.optimizers.schedules.LearningRateSchedule):
         scale = check_number(scale, "scale", above=0)
         if isinstance(schedule, dict):
             schedule = keras.saving.deserialize_keras_object(schedule)
+        if not callable(schedule):
+            schedule = check_number(schedule, "learning_rate", above=0)
         self.schedule = schedule
         self.scale = keras.Variable(scale, trainable=False, dtype="float32",
                                     name="learning_rate_scale")
