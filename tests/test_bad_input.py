@@ -271,6 +271,11 @@ SIZES = [
     (lambda v: TopDownAttention(iterations=v), "iterations"),
     (lambda v: GenerativeCapsules(v, 4, 3), "num_parents"),
     (lambda v: ProbabilisticCapsules(num_top=v), "num_top"),
+    # the autoencoder's own sizes: before, a bool or NaN failed inside Keras' Conv2D or Dense, or range()
+    (lambda v: ProbabilisticCapsuleAutoencoder(channels=v), "channels"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(hidden=v, heads=1), "hidden"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(encoding=v), "encoding"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(blocks=v), "blocks"),
     (lambda v: VariationalAutoencoder(latent=v), "latent"),
     (lambda v: MultiheadAttentionBlock(units=6, heads=v), "heads"),
     (lambda v: InducedSetAttention(units=6, heads=2, inducing=v), "inducing"),

@@ -157,6 +157,7 @@ from poecaps.validation import (
     check_flag,
     check_image_batch,
     check_integer,
+    check_integers,
     check_number,
     check_seed,
     shape_fits,
@@ -280,6 +281,9 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                 f"{full} (its dtype policy is {self.dtype_policy.name}); make the ProbabilisticCapsules with "
                 f"dtype={self.dtype_policy.name!r}. Received: generative.dtype_policy={generative.dtype_policy.name}")
         self.generative = generative
+        channels, hidden, encoding, inducing, heads = check_integers(
+            channels=channels, hidden=hidden, encoding=encoding, inducing=inducing, heads=heads)
+        blocks = check_integer(blocks, "blocks", minimum=0)
         self.channels, self.hidden, self.encoding = channels, hidden, encoding
         self.blocks, self.inducing, self.heads, self.seed = blocks, inducing, heads, seed
         k, n = generative.num_top, generative.num_parts
