@@ -29,6 +29,8 @@ from poecaps.trainers.cd import (
 )
 from poecaps.trainers.checkpoints import trainer_state
 from poecaps.trainers.shards import shard_bounds
+from poecaps.trainers.supervised import SupervisedTrainer
+from poecaps.trainers.variational import VariationalTrainer
 
 
 def _np_squash(z):
@@ -554,3 +556,20 @@ def test_saving_a_trainer_whole_names_the_model_to_save_and_that_advice_works(tm
     assert len(model.weights) > 0
     for a, b in zip(model.get_weights(), loaded.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("make_trainer, model, message", [
+    (CDTrainer, keras.layers.Dense(3), "CDTrainer trains a model of type EnergyModel. Received: Dense"),
+    (DecoderTrainer, BernoulliRBM(3), "DecoderTrainer trains a model of type CapsuleExperts. Received: BernoulliRBM"),
+    (AutoencoderTrainer, CapsuleExperts(2, 3), ("AutoencoderTrainer trains a model of type ConvAutoencoder. "
+                                               "Received: CapsuleExperts")),
+    (SupervisedTrainer, ConvAutoencoder(), ("SupervisedTrainer trains a Keras layer with loss_terms, loss_term_names, "
+                                           "image_shape, num_classes. Received: ConvAutoencoder, which has no "
+                                           "loss_terms, loss_term_names, image_shape, num_classes")),
+    (VariationalTrainer, "vae", "VariationalTrainer trains a Keras layer with bound, TERMS. Received: str"),
+])
+def test_a_trainer_refuses_a_model_it_cannot_train_by_name(make_trainer, model, message):
+    """Before, an AttributeError when made (`TERMS`, `loss_term_names`, `dtype_policy`) or at the first step (the
+    CD trainer's `cd_gradients`, the autoencoder trainer's `kernel1`)."""
+    with pytest.raises(InputError, match="^" + re.escape(message) + "$"):
+        make_trainer(model)

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from poecaps import distribute
+from poecaps.layers import ConvAutoencoder
 from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import unpack
 from poecaps.validation import check_images
@@ -21,6 +22,7 @@ class AutoencoderTrainer(Trainer):
     """
 
     trained_as = "autoencoder"
+    trains = (ConvAutoencoder,)
 
     def __init__(self, autoencoder, **kwargs):
         super().__init__(autoencoder, **kwargs)

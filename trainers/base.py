@@ -64,6 +64,11 @@ class Trainer(keras.Model):
     one it was made with) is an `InputError`: the model's weights and
     computations fix the precision (build the model with that `dtype`).
 
+    A trainer refuses, with an `InputError`, a model that is not one of its
+    `trains` types or lacks one of its `calls` (what its steps read of the
+    model): before, such a model failed at an attribute when made or at the
+    first step.
+
     Args:
         trained: the model (a Keras layer) the trainer trains.
         **kwargs: `keras.Model`'s (`name`, `dtype`: the model's policy if given).
@@ -71,8 +76,18 @@ class Trainer(keras.Model):
 
     targets = None
     trained_as = "model"    # the attribute that holds the trained model, named by `get_config`'s advice
+    trains = (keras.layers.Layer,)   # the types of model the trainer takes
+    calls = ()                       # what its steps read of the model, beyond a layer's own
 
     def __init__(self, trained, **kwargs):
+        missing = [name for name in self.calls if not hasattr(trained, name)]
+        if not isinstance(trained, self.trains) or missing:
+            kinds = ("a Keras layer" if self.trains == (keras.layers.Layer,)
+                     else "a model of type " + " or ".join(kind.__name__ for kind in self.trains))
+            reads = f" with {', '.join(self.calls)}" if self.calls else ""
+            lacks = f", which has no {', '.join(missing)}" if missing and isinstance(trained, self.trains) else ""
+            raise InputError(f"{type(self).__name__} trains {kinds}{reads}. Received: {type(trained).__name__}"
+                             f"{lacks}")
         policy = trained.dtype_policy
         given = kwargs.pop("dtype", None)
         # a full-precision model given a mixed policy computes in float32 (`distribute.routing_dtype`)

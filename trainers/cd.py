@@ -7,7 +7,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.experts import DECODER_RULES, check_sparsity
+from poecaps.experts import DECODER_RULES, CapsuleExperts, EnergyModel, check_sparsity
 from poecaps.graphs import graph
 from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import to_dtype, unpack
@@ -140,6 +140,7 @@ class CDTrainer(Trainer):
     """
 
     trained_as = "energy_model"
+    trains = (EnergyModel,)
 
     def __init__(self, model, preprocess=None, steps=1, persistent=False, chain_shape=None,
                  l2=1e-4, heldout=None, seed=None, sparsity_target=0.1, sparsity_cost=0.0, shards=1,
@@ -272,6 +273,7 @@ class DecoderTrainer(CDTrainer):
     """
 
     targets = "lower capsules"
+    trains = (CapsuleExperts,)
 
     def __init__(self, model, rule="section41", preprocess=None, l2=1e-4, heldout=None, seed=None, shards=1,
                  **kwargs):

@@ -39,6 +39,7 @@ class SupervisedTrainer(Trainer):
 
     targets = "class labels"
     trained_as = "network"
+    calls = ("loss_terms", "loss_term_names", "image_shape", "num_classes")
 
     def __init__(self, network, max_shift=0, seed=0, shards=1, **kwargs):
         super().__init__(network, **kwargs)

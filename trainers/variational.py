@@ -36,6 +36,8 @@ class VariationalTrainer(Trainer):
         images: `[B, H, W, 1]`; returns `model(images)`.
     """
 
+    calls = ("bound", "TERMS")
+
     def __init__(self, model, seed=0, **kwargs):
         super().__init__(model, **kwargs)
         self.model = model
