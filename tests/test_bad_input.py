@@ -57,7 +57,7 @@ from poecaps.routing import (
 )
 from poecaps.samplers import CapsuleSampler, RBMSampler
 from poecaps.trainers.autoencoder import AutoencoderTrainer
-from poecaps.trainers.cd import CDTrainer, default_optimizer
+from poecaps.trainers.cd import CDTrainer, OffCapsulesWarning, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.supervised import SupervisedTrainer
@@ -394,6 +394,7 @@ NUMBERS = [
     (lambda v: IsometricPoses(epsilon=v), "epsilon", "> 0"),
     (lambda v: ScaledSchedule(1e-3, scale=v), "scale", "> 0"),
     (lambda v: ScaledSchedule(v), "learning_rate", "> 0"),
+    (lambda v: OffCapsulesWarning(threshold=v), "threshold", ">= 0 and <= 1"),
     (lambda v: ConvAutoencoder(negative_slope=v), "negative_slope", ">= 0"),
     (lambda v: CapsNet((28, 28, 1), 10, conv_filters=4, primary_types=2, reconstruction_weight=v),
      "reconstruction_weight", ">= 0"),
@@ -405,7 +406,7 @@ NUMBERS = [
 
 @pytest.mark.parametrize("make, name, words", NUMBERS)
 def test_numbers_refuse_what_is_not_a_finite_number_in_range_by_name(make, name, words):
-    outside = {"> 0": 0.0, ">= 0": -0.5, "> 0 and < 1": 1.0, ">= 0 and < 1": 1.0}[words]
+    outside = {"> 0": 0.0, ">= 0": -0.5, "> 0 and < 1": 1.0, ">= 0 and < 1": 1.0, ">= 0 and <= 1": 1.5}[words]
     for value in (float("nan"), float("inf"), "0.5", None, True, outside):
         expected = f"{name} must be a finite number {words}. Received: {name}={value!r}"
         with pytest.raises(InputError, match="^" + re.escape(expected) + "$"):

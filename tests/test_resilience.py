@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -501,3 +502,13 @@ def test_checkpoint_manager_keeps_an_integer_of_at_least_two(tmp_path, keep):
     with pytest.raises(InputError, match=rf"^keep must be an integer >= 2\. Received: keep={keep!r}$"):
         CheckpointManager(str(tmp_path / "ckpt"), keep=keep)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("max_reductions", [-1, 2.5, "3", True])
+def test_the_guard_takes_a_count_of_reductions(max_reductions):
+    """Before, any value was taken: -1 stopped at the first event, 2.5 allowed three halvings, "3" raised TypeError
+    at the first event."""
+    with pytest.raises(InputError, match=rf"^max_reductions must be an integer >= 0\. Received: "
+                                         rf"max_reductions={re.escape(repr(max_reductions))}$"):
+        NonFiniteGuard("reduce-lr", max_reductions=max_reductions)
+    assert NonFiniteGuard("reduce-lr", max_reductions=np.int64(0)).max_reductions == 0

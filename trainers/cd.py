@@ -341,7 +341,7 @@ class OffCapsulesWarning(keras.callbacks.Callback):
 
     def __init__(self, threshold=1e-3):
         super().__init__()
-        self.threshold = threshold
+        self.threshold = check_number(threshold, "threshold", minimum=0, maximum=1)
 
     def on_epoch_end(self, epoch, logs=None):
         p_on = (logs or {}).get("p_on")

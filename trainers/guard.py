@@ -18,7 +18,7 @@ from poecaps.errors import NonFiniteError
 from poecaps.trainers import NAN_POLICIES
 from poecaps.trainers.checkpoints import trainer_state
 from poecaps.trainers.schedule import lowerable_rate
-from poecaps.validation import check_choice
+from poecaps.validation import check_choice, check_integer
 
 
 def _all_finite(variables):
@@ -51,7 +51,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
         check_choice(policy, "policy", NAN_POLICIES[:2])
         self.policy = policy
         self.log_path = log_path
-        self.max_reductions = max_reductions
+        self.max_reductions = check_integer(max_reductions, "max_reductions", minimum=0)
         self.log = log
         self.reductions = 0
         self.events = []
