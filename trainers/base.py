@@ -64,10 +64,9 @@ class Trainer(keras.Model):
     one it was made with) is an `InputError`: the model's weights and
     computations fix the precision (build the model with that `dtype`).
 
-    A trainer refuses, with an `InputError`, a model that is not one of its
-    `trains` types or lacks one of its `calls` (what its steps read of the
-    model): before, such a model failed at an attribute when made or at the
-    first step.
+    A trainer refuses, with an `InputError` when made, a model that is not
+    one of its `trains` types or lacks one of its `calls` (what its steps
+    read of the model).
 
     Args:
         trained: the model (a Keras layer) the trainer trains.

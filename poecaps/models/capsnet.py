@@ -27,8 +27,8 @@ from poecaps.validation import (
 
 def check_classifier_arguments(image_shape, num_classes, convolutions=()):
     """Return `(image_shape, num_classes)` as a tuple of ints and an int; `InputError` unless `num_classes` is
-    an integer >= 2, `image_shape` is (H, W, C) (`check_image_shape`), and H and W leave at least one position after the network's unpadded `convolutions` ((kernel, stride)
-    pairs, bottom up).
+    an integer >= 2, `image_shape` is (H, W, C) (`check_image_shape`), and H and W leave at least one position
+    after the network's unpadded `convolutions` ((kernel, stride) pairs, bottom up).
 
     An unpadded convolution maps a side n to floor((n - kernel) / stride) + 1, so the smallest side that
     leaves one position is found top down: n_in = (n_out - 1) * stride + kernel, from n_out = 1.
