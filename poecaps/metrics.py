@@ -5,7 +5,7 @@ import numpy as np
 
 from poecaps.capsules import unsquash
 from poecaps.errors import InputError
-from poecaps.validation import check_array, check_labels
+from poecaps.validation import check_array, check_integer, check_integers, check_labels
 
 
 def mse(images, reconstructions):
@@ -269,6 +269,7 @@ def keep_longest(upper, k=1):
     can say about an image at best, with a pose the data really took.
     """
     upper = np.asarray(upper)
+    k = check_integer(k, "k")
     if upper.ndim != 3 or not 1 <= k <= upper.shape[1]:
         raise InputError(f"keep_longest needs upper capsules [N, J, D] and 1 <= k <= J. "
                          f"Received shape {upper.shape} and k={k}")
@@ -416,6 +417,7 @@ def kmeans(points, k, seed=0, iterations=100):
     loses all its points keeps its centroid.
     """
     points = np.asarray(points, "float64")
+    k, iterations = check_integers(k=k, iterations=iterations)
     if points.ndim != 2 or not 1 <= k <= len(points):
         raise InputError(f"kmeans needs points [N, F] and 1 <= k <= N. Received shape {points.shape} and k={k}")
     centroids = points[np.random.default_rng(seed).choice(len(points), k, replace=False)]

@@ -191,6 +191,7 @@ def _rbm_on(visible):
     (lambda: RunOptions(precision="float8"), r"precision must be one of .*Received: precision='float8'"),
     (lambda: RunOptions(save_every=-5), r"save_every must be an integer >= 0. Received: save_every=-5"),
     (lambda: default_optimizer(learning_rate=0.0), r"learning_rate must be a finite number > 0\. Received: learning_rate=0\.0"),
+    (lambda: default_optimizer(decay_steps=2.5), r"decay_steps must be an integer >= 1\. Received: decay_steps=2\.5"),
     (lambda: CDTrainer(CapsuleExperts(2, 3), steps=0), r"steps must be an integer >= 1. Received: steps=0"),
     # the RBM's chains ran no step for 0 or -1 and returned their start as a sample
     (lambda: _rbm_on(3).gibbs(np.zeros((2, 3), "float32"), steps=0), r"steps must be an integer >= 1. Received: steps=0"),
@@ -399,6 +400,8 @@ NUMBERS = [
     (lambda v: CapsNet((28, 28, 1), 10, conv_filters=4, primary_types=2, reconstruction_weight=v),
      "reconstruction_weight", ">= 0"),
     (lambda v: default_optimizer(learning_rate=v), "learning_rate", "> 0"),
+    (lambda v: default_optimizer(decay_rate=v), "decay_rate", "> 0"),
+    (lambda v: default_optimizer(momentum=v), "momentum", ">= 0 and < 1"),
     (lambda v: CDTrainer(CapsuleExperts(2, 3), l2=v), "l2", ">= 0"),
     (lambda v: CDTrainer(CapsuleExperts(2, 3), sparsity_target=v, sparsity_cost=1.0), "sparsity target", "> 0 and < 1"),
 ]

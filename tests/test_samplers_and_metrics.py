@@ -1,3 +1,5 @@
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -211,6 +213,9 @@ def test_keep_longest_hand_computed():
     np.testing.assert_array_equal(two[1], [[0.6, 0], [0, 0], [0, -0.2]])
     with pytest.raises(InputError, match="k="):
         metrics.keep_longest(upper, k=4)
+    for k in (2.5, "2", True):       # before: a slice error, a TypeError from <=, and True kept one capsule
+        with pytest.raises(InputError, match=rf"^k must be an integer >= 1\. Received: k={re.escape(repr(k))}$"):
+            metrics.keep_longest(upper, k=k)
 
 
 def test_longest_capsule_clusters_hand_computed():
@@ -425,6 +430,11 @@ def test_kmeans_recovers_separated_blobs_and_matches_a_plain_lloyd_step(rng):
     np.testing.assert_array_equal(assignment, np.argmin(distances, axis=1))
     with pytest.raises(InputError, match="k="):
         metrics.kmeans(points, 301)
+    # before: 0 iterations returned no assignment (None), 2.5 failed in range(), a float k in NumPy's choice
+    for name, kwargs in (("iterations", {"iterations": 0}), ("iterations", {"iterations": 2.5}),
+                         ("k", {"k": 2.5})):
+        with pytest.raises(InputError, match=rf"^{name} must be an integer >= 1\. Received: {name}="):
+            metrics.kmeans(points, **{"k": 3, **kwargs}, seed=0)
 
 
 def test_cluster_purity_hand_computed():

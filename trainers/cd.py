@@ -86,8 +86,12 @@ def sharded_cd_step(step, x, shards, chain=None, targets=None):
 
 
 def default_optimizer(learning_rate=0.05, decay_steps=1000, decay_rate=0.95, momentum=0.9):
-    """SGD with momentum and exponential learning-rate decay (Hauser Algorithm 1)."""
+    """SGD with momentum and exponential learning-rate decay (Hauser Algorithm 1):
+    `lr(step) = learning_rate * decay_rate ^ (step / decay_steps)`, momentum in [0, 1)."""
     learning_rate = check_number(learning_rate, "learning_rate", above=0)
+    decay_steps = check_integer(decay_steps, "decay_steps")
+    decay_rate = check_number(decay_rate, "decay_rate", above=0)
+    momentum = check_number(momentum, "momentum", minimum=0, below=1)
     schedule = keras.optimizers.schedules.ExponentialDecay(learning_rate, decay_steps, decay_rate)
     # Scaled so that the NaN guard can halve it (poecaps.trainers.guard).
     return keras.optimizers.SGD(learning_rate=ScaledSchedule(schedule), momentum=momentum)
