@@ -21,13 +21,16 @@ def batched(fn, array, batch_size=256, jit_compile=False):
     (`traced`). Under XLA the last batch is padded with zeros to the full
     size (and the padding dropped), so that one compiled shape serves all.
     `array` needs at least one row and `batch_size` must be an integer >= 1
-    (else an `InputError`).
+    (else an `InputError`). A graph is kept per shape and dtype of the rows,
+    so only the batch axis is ever traced as unknown: `fn`'s static checks
+    of the other axes hold on every call.
     """
     batch_size = check_integer(batch_size, "batch_size")
     if len(array) == 0:
         raise InputError(f"batched needs at least one row to apply {getattr(fn, '__name__', 'fn')} to. "
                          f"Received: {len(array)} rows")
-    graph = traced(fn, jit_compile)
+    first = np.asarray(array[:1])
+    graph = traced(fn, jit_compile, rows=(first.shape[1:], first.dtype.str))
     outputs = []
     for k in range(0, len(array), batch_size):
         batch = np.asarray(array[k:k + batch_size])
@@ -97,7 +100,7 @@ def kept(owner, key, make):
     return made
 
 
-def traced(fn, jit_compile=False):
+def traced(fn, jit_compile=False, rows=None):
     """`fn` as a `tf.function` of one argument (`graph`), kept across calls when `fn` is a bound method.
 
     A graph reads variables as they are when it runs, but takes every other
@@ -105,10 +108,13 @@ def traced(fn, jit_compile=False):
     traced again once any attribute of the method's owner has been rebound
     since (`pipeline.decoder = other` retraces; arrays changed in place, or
     the attributes of the owner's layers rebound, are not seen). Functions
-    that are not bound methods are traced anew each call.
+    that are not bound methods are traced anew each call. `rows` (hashable,
+    e.g. the shape and dtype of one row) keeps one graph per value: a graph
+    retraced for another shape relaxes the axes that differ to unknown,
+    which would let arrays of other row shapes pass checks of static shapes.
     """
     owner, func = getattr(fn, "__self__", None), getattr(fn, "__func__", None)
     if owner is None or func is None:
         return graph(fn, reduce_retracing=True, jit_compile=jit_compile)
-    return kept(owner, (func, jit_compile),
+    return kept(owner, (func, jit_compile, rows),
                 lambda ref: graph(lambda x: func(ref(), x), reduce_retracing=True, jit_compile=jit_compile))

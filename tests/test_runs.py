@@ -44,6 +44,25 @@ def test_a_bound_methods_graph_is_kept_between_calls():
     assert len(scale.traces) > traces
 
 
+class Rows:
+    """`width` checks the static width of the rows, as a layer checks its inputs while traced."""
+
+    def width(self, x):
+        if x.shape[-1] is not None and x.shape[-1] != 3:
+            raise InputError(f"rows must have 3 values. Received: shape={tuple(x.shape)}")
+        return x * 1.0
+
+
+def test_a_kept_graph_never_relaxes_the_axes_of_a_row():
+    """Each row shape gets its own graph, traced with its sizes: before, the graph kept from rows of 3 values
+    was retraced for rows of 2 with the last axis unknown, so the check saw None and the rows passed."""
+    rows = Rows()
+    np.testing.assert_allclose(batched(rows.width, np.ones((5, 3), "float32"), batch_size=2), np.ones((5, 3)))
+    # raised while traced: TensorFlow re-raises it as its own StagingError, with the check's message
+    with pytest.raises(Exception, match=r"rows must have 3 values\. Received: shape=\((None|2|1), 2\)"):
+        batched(rows.width, np.ones((5, 2), "float32"), batch_size=2)
+
+
 @pytest.mark.parametrize("rows, batch_size, message", [
     (4, 0, r"^batch_size must be an integer >= 1. Received: batch_size=0$"),
     (4, -2, r"batch_size=-2$"),

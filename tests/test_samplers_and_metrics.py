@@ -31,6 +31,17 @@ def pipeline(rng):
     return CapsulePipeline(ae, encoder, decoder, capsule_dim=4, mean_directions=directions)
 
 
+def test_the_pipeline_decodes_only_upper_capsules_of_its_shape(pipeline):
+    """Before, capsules of another J failed inside XLA ('Incompatible shapes'), and, once capsules of the right
+    shape had been decoded, capsules of another D were decoded silently (the kept graph, retraced, had
+    relaxed the pose axis to unknown)."""
+    assert pipeline.decode(np.zeros((2, 3, 4), "float32")).shape == (2, 16, 16, 1)
+    for shape in ((2, 3, 3), (2, 4, 4), (3, 4)):
+        with pytest.raises(InputError, match=rf"^upper capsules must be \[N, 3, 4\] \(J upper capsules of D "
+                                             rf"dimensions\)\. Received: shape={re.escape(str(shape))}$"):
+            pipeline.decode(np.zeros(shape, "float32"))
+
+
 def test_capsule_sampler_grid_shape_and_range(pipeline):
     sampler = samplers.get("capsule", pipeline=pipeline, seed=0)
     images = sampler.sample(rows=5)["images"]

@@ -10,6 +10,7 @@ from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquas
 from poecaps.errors import InputError
 from poecaps.graphs import batched
 from poecaps.models.saving import load_component, save_component
+from poecaps.validation import shape_fits
 
 # The trained components, each saved as `<name>.keras` (Keras' own format).
 COMPONENTS = ("autoencoder", "encoder", "decoder")
@@ -132,6 +133,10 @@ class CapsulePipeline:
         them on a CPU. Equal to `decode_upper` to rounding.
         """
         self._trained("decoder")     # named here: raised inside the traced batches it would read as a StagingError
+        shape = np.shape(upper)
+        if not shape_fits(shape, (None, self.num_upper, self.upper_dim)):
+            raise InputError(f"upper capsules must be [N, {self.num_upper}, {self.upper_dim}] (J upper capsules of "
+                             f"D dimensions). Received: shape={shape}")
         lower = batched(self.decode_capsules, upper, 32, jit_compile=True)
         return batched(self.decode_lower, lower, batch_size)
 
