@@ -1,5 +1,7 @@
 """Dynamic routing against a plain NumPy reference written here."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -214,3 +216,20 @@ def test_result_is_a_routing_result(rng):
     result = DynamicRouting(1)(rng.normal(size=(2, 3, 2, 4)))
     assert isinstance(result, RoutingResult)
     assert result.poses.shape == (2, 2, 4) and result.coefficients.shape == (2, 3, 2)
+
+
+@pytest.mark.parametrize("name, axis, letter", [
+    ("em", 2, "J"), ("similarity", 2, "J"), ("generative", 2, "J"), ("connectionist", 3, "D")])
+def test_a_built_router_refuses_votes_its_weights_do_not_fit(rng, name, axis, letter):
+    """EM, similarity and generative routing keep weights per parent, the connectionist LSTM reads 2 D + 2
+    values per pair. Before, votes of another J failed in TensorFlow ('Incompatible shapes'), and the LSTM
+    routed votes of another D silently with the wrong rows of its kernel."""
+    votes = rng.normal(size=(2, 6, 3, 4)).astype("float32")
+    router = routing.get(name)
+    router(votes)
+    other = votes[:, :, :2] if axis == 2 else votes[..., :3]
+    message = (f"{type(router).__name__} '{router.name}' was built for votes [B, I, J, D] with {letter} = "
+               f"{votes.shape[axis]}, which its weights fix. Received: votes of shape {list(other.shape)}")
+    with pytest.raises(InputError, match="^" + re.escape(message) + "$"):
+        router(other)
+    assert router(votes[:, :4]).poses.shape == (2, 3, 4)      # other children: any number

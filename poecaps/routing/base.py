@@ -6,7 +6,7 @@ import keras
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.validation import check_integer, shape_fits
+from poecaps.validation import check_integer, shape_fits, sizes_fit
 
 RoutingResult = collections.namedtuple("RoutingResult", ["poses", "activations", "coefficients"])
 RoutingResult.__doc__ = """What a routing procedure returns.
@@ -60,9 +60,21 @@ class Routing(distribute.FullPrecision, keras.layers.Layer):
         # votes of another rank are refused by Keras with the layer's name and both ranks
         self.input_spec = keras.InputSpec(ndim=4)
 
+    def weight_sizes(self):
+        """`{axis: size}`: the sizes of the votes' axes (`[B, I, J, D]`: 2 for J, 3 for D) that the built
+        router's weights fix; none for a router whose weights fit votes of any size."""
+        return {}
+
     def __call__(self, votes, activations=None, *args, **kwargs):
+        shape = getattr(votes, "shape", None)
+        if self.built and shape is not None and len(shape) == 4:
+            for axis, size in self.weight_sizes().items():
+                if not sizes_fit(shape[axis], size):
+                    raise InputError(f"{type(self).__name__} {self.name!r} was built for votes [B, I, J, D] with "
+                                     f"{'BIJD'[axis]} = {size}, which its weights fix. Received: votes of shape "
+                                     f"{list(shape)}")
         if activations is not None:
-            check_activations(self, getattr(votes, "shape", None), getattr(activations, "shape", None))
+            check_activations(self, shape, getattr(activations, "shape", None))
         return super().__call__(votes, activations, *args, **kwargs)
 
     def compute_output_spec(self, votes, activations=None, training=None):

@@ -111,6 +111,9 @@ class ConnectionistRouting(Routing):
                 layer.build((None, width))
                 width = layer.units
 
+    def weight_sizes(self):
+        return {3: (self.kernel.shape[0] - 2) // 2}    # the LSTM reads 2 D + 2 values per pair
+
     @staticmethod
     def _apply(layers, x):
         """The network `layers` on the last axis of `x`, as one 2-D matmul per layer; drops the unit axis."""

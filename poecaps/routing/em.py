@@ -94,6 +94,9 @@ class EMRouting(Routing):
         self.beta_u = self.add_weight(name="beta_u", shape=(num_out,), initializer="zeros")
         self.beta_a = self.add_weight(name="beta_a", shape=(num_out,), initializer="zeros")
 
+    def weight_sizes(self):
+        return {2: self.beta_u.shape[0]}       # beta_u and beta_a: one per parent
+
     def inverse_temperature(self, t):
         return self.final_lambda * (1.0 - 0.95 ** (t + 1))
 

@@ -88,6 +88,9 @@ class GenerativeRouting(Routing):
         self.log_sigma = per_parent("log_sigma", math.log(self.sigma))
         self.mix_logits = per_parent("mix_logits", 0.0)
 
+    def weight_sizes(self):
+        return {2: self.log_kappa.shape[0]}    # kappa, sigma, mixing: one per parent
+
     def parameters(self, dim, dtype="float32"):
         """`{kappa, log_c, sigma, log_sigma, log_pi}`, each `[J]`."""
         kappa = tf.exp(tf.cast(self.log_kappa, dtype))

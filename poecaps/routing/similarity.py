@@ -160,6 +160,9 @@ class SimilarityRouting(Routing):
         self.mixture_logits = self.add_weight(name="mixture_logits", shape=(self.num_kernels,),
                                               initializer="zeros")
 
+    def weight_sizes(self):
+        return {2: self.alpha.shape[0]}        # alpha, beta, theta: one per parent
+
     def kernel(self, squared_distances):
         """`K = sum_q softmax(b)_q exp(-d2 / (2 l_q^2))` of squared distances `d2` (any shape)."""
         dtype = squared_distances.dtype
