@@ -279,6 +279,18 @@ def test_top_down_attention_refuses_children_and_predictions_that_do_not_fit(chi
         TopDownAttention()(np.zeros(children, "float32"), np.zeros(predictions, "float32"))
 
 
+@pytest.mark.parametrize("children, predictions", [((2, 5, 4), (2, 5, 3, 6)), ((2, 5, 4), (1, 5, 3, 4)),
+                                                   ((5, 4), (2, 5, 3, 4))])
+def test_built_top_down_attention_refuses_them_on_every_call(children, predictions):
+    """Once built, the layer checked nothing: each of these failed inside einsum (InvalidArgumentError)."""
+    attention = TopDownAttention()
+    attention(np.zeros((2, 5, 4), "float32"), np.zeros((2, 5, 3, 4), "float32"))
+    with pytest.raises(InputError, match=re.escape(f"Received: children {children}, predictions {predictions}")):
+        attention(np.zeros(children, "float32"), np.zeros(predictions, "float32"))
+    c, v = attention(np.zeros((2, 7, 4), "float32"), np.zeros((2, 7, 2, 4), "float32"))   # any I and J
+    assert c.shape == (2, 7, 2) and v.shape == (2, 7, 4)
+
+
 def test_inversion_takes_the_iterations_it_is_given_and_refuses_what_does_not_fit(rng):
     """`infer(iterations=0)` ran the layer's em_iterations (20 by default) without a word, and a string for
     `return_trace` read as True; activations, parents' poses and posteriors of another shape failed inside

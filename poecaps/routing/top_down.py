@@ -48,17 +48,23 @@ class TopDownAttention(distribute.FullPrecision, keras.layers.Layer):
         self.accumulate = check_flag(accumulate, "accumulate")
         self.trainable_beta = check_flag(trainable_beta, "trainable_beta")
 
-    def build(self, children_shape, predictions_shape=None):
+    def _check_shapes(self, children_shape, predictions_shape):
+        """Children `[B, I, D]` and predictions `[B, I, J, D]` of one B, I and D (unknown sizes fit), or an
+        `InputError` naming both shapes; any J (the layer's one weight, beta, is a scalar)."""
         children_shape, predictions_shape = tuple(children_shape), tuple(predictions_shape or ())
         if not (len(children_shape) == 3 and len(predictions_shape) == 4
                 and all(sizes_fit(children_shape[k], predictions_shape[k]) for k in (0, 1, -1))):
             raise InputError(f"{type(self).__name__} {self.name!r}: children must be [B, I, D] and predictions "
                              f"[B, I, J, D] with the same B, I and D. Received: children {children_shape}, "
                              f"predictions {predictions_shape}")
+
+    def build(self, children_shape, predictions_shape=None):
+        self._check_shapes(children_shape, predictions_shape)
         self.beta = self.add_weight(name="beta", shape=(), trainable=self.trainable_beta,
                                     initializer=keras.initializers.Constant(self.beta_value))
 
     def call(self, children, predictions):
+        self._check_shapes(children.shape, predictions.shape)
         beta = ops.cast(self.beta, predictions.dtype)
         logits = 0.0
         v = children
