@@ -133,6 +133,9 @@ def test_config_round_trip_and_validation(rng):
         GenerativeRouting(sigma=-1)
     with pytest.raises(InputError, match=r"pose size D .* must be at least 2.*shape \[1, 2, 3, 1\]"):
         GenerativeRouting()(np.zeros((1, 2, 3, 1), "float32"))
+    # once built too: before, the von Mises-Fisher normaliser's own check ("d must be an integer >= 2")
+    with pytest.raises(InputError, match=r"pose size D .* must be at least 2.*shape \[2, 5, 3, 1\]"):
+        router(votes[..., :1])
 
 
 def test_every_weight_gets_a_gradient_in_the_table_1_network(rng):

@@ -78,10 +78,14 @@ class GenerativeRouting(Routing):
         self.kappa = check_number(kappa, "kappa", above=0)
         self.sigma = check_number(sigma, "sigma", above=0)
 
-    def build(self, votes_shape, activations_shape=None):
+    @staticmethod
+    def _check_pose_size(votes_shape):
         if votes_shape[-1] is not None and votes_shape[-1] < 2:
             raise InputError("GenerativeRouting: votes' pose size D (the last axis of [B, I, J, D]) must be at least "
                              f"2, for their directions on the sphere. Received: votes of shape {list(votes_shape)}")
+
+    def build(self, votes_shape, activations_shape=None):
+        self._check_pose_size(votes_shape)
         per_parent = lambda name, value: self.add_weight(name=name, shape=(votes_shape[2],),
                                                          initializer=keras.initializers.Constant(value))
         self.log_kappa = per_parent("log_kappa", math.log(self.kappa))
@@ -141,6 +145,7 @@ class GenerativeRouting(Routing):
         return tf.reduce_sum(a * per_child, -1) + prior
 
     def call(self, votes, activations=None, training=None):
+        self._check_pose_size(votes.shape)
         dtype = distribute.full_precision_dtype(votes)
         votes = tf.cast(votes, dtype)
         a = tf.ones(tf.shape(votes)[:2], dtype) if activations is None else tf.cast(activations, dtype)
