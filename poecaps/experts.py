@@ -120,10 +120,8 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
 
     def _check_visible(self, x):
         """Refuse visible capsules that are not `[B, I, D_in]` of the kernel (`check_capsule_inputs`); the layer is
-        built for the visible capsules it is first given."""
-        if not self.built:
-            self.build(tuple(x.shape))
-        check_capsule_inputs(self, x.shape, (None, *self.visible_shape))
+        built for the visible capsules it is first given (`CapsuleDense._check_inputs`)."""
+        self._check_inputs(x)
 
     def coefficients(self, x):
         return ops.stop_gradient(self.route(x).coefficients)

@@ -94,21 +94,24 @@ def _number(x):
     return f"{x:g}" if isinstance(x, float) else str(x)
 
 
+def _check_sizes(value, name, axes):
+    """`value` as a tuple of ints if it is a tuple or list of one integer >= 1 per name in `axes`; else an
+    `InputError` naming `name` and the axes."""
+    count = {2: "two", 3: "three"}[len(axes)]
+    if (not isinstance(value, (tuple, list)) or len(value) != len(axes)
+            or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in value)):
+        raise InputError(f"{name} must be ({', '.join(axes)}), {count} integers >= 1. Received: {name}={value!r}")
+    return tuple(int(s) for s in value)
+
+
 def check_image_size(image_size):
     """`(height, width)`, two integers >= 1, as a tuple of ints; else an `InputError` naming `image_size`."""
-    if (not isinstance(image_size, (tuple, list)) or len(image_size) != 2
-            or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in image_size)):
-        raise InputError(f"image_size must be (height, width), two integers >= 1. Received: image_size={image_size!r}")
-    return tuple(int(s) for s in image_size)
+    return _check_sizes(image_size, "image_size", ("height", "width"))
 
 
 def check_image_shape(image_shape, name="image_shape"):
     """`(height, width, channels)`, three integers >= 1, as a tuple of ints; else an `InputError` naming it."""
-    if (not isinstance(image_shape, (tuple, list)) or len(image_shape) != 3
-            or any(isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 1 for s in image_shape)):
-        raise InputError(f"{name} must be (height, width, channels), three integers >= 1. "
-                         f"Received: {name}={image_shape!r}")
-    return tuple(int(s) for s in image_shape)
+    return _check_sizes(image_shape, name, ("height", "width", "channels"))
 
 
 def check_integers(minimum=1, **values):
