@@ -31,6 +31,34 @@ def check_seed(value, name="seed", allow_none=False):
     return check_integer(value, name, minimum=0, allow_none=allow_none)
 
 
+def check_seed_pair(value, name="seed", allow_none=False):
+    """Return `value` as a stateless seed, an int64 tensor `[2]`, if it is a pair of integers; else raise
+    `InputError`.
+
+    A pair of Python or NumPy integers within int64's range passes, as does an integer tensor of shape `[2]` (a
+    traced one too: only its dtype and shape are known). Floats (1.5 or 1.0 alike), bools, strings, a single
+    integer and integers beyond int64 are refused, where TensorFlow would truncate floats, wrap large integers or
+    fail in the stateless kernels. With `allow_none`, None (unseeded draws) passes through.
+    """
+    import tensorflow as tf
+
+    if value is None and allow_none:
+        return None
+    if tf.is_tensor(value):
+        if value.dtype in (tf.int32, tf.int64) and value.shape.is_compatible_with([2]):
+            return tf.cast(value, tf.int64)
+        received = f"a {value.dtype.name} tensor of shape {tuple(value.shape)}"
+    else:
+        pair = list(value) if isinstance(value, (tuple, list, np.ndarray)) and np.ndim(value) == 1 else None
+        if pair is not None and len(pair) == 2 and all(
+                not isinstance(v, (bool, np.bool_)) and isinstance(v, numbers.Integral) and -2 ** 63 <= v < 2 ** 63
+                for v in pair):
+            return tf.constant([int(v) for v in pair], tf.int64)
+        received = f"{name}={value!r}"
+    alternative = ", or None" if allow_none else ""
+    raise InputError(f"{name} must be a pair of integers (a stateless seed){alternative}. Received: {received}")
+
+
 def check_flag(value, name):
     """Return `value` as a Python `bool` if it is True or False (NumPy's bools too); else raise `InputError`.
 

@@ -160,7 +160,7 @@ def sample_vmf(mu, kappa, seed):
     scale = tf.maximum(2.0 * k, dm1)                     # sqrt(4 k^2 + (d-1)^2) without overflowing the square
     b = dm1 / (2.0 * k + scale * tf.sqrt(tf.square(2.0 * k / scale) + tf.square(dm1 / scale)))
     mode_gap = 2.0 * b / (1.0 + b)                       # 1 - x0
-    seed = tf.convert_to_tensor(seed, tf.int32)
+    seed = tf.cast(seed, tf.int64)      # int32 or int64 alike: the stateless draws depend on the values only
     half = tf.fill([n], dm1 / 2.0)
 
     def body(round_, t, done):
@@ -180,7 +180,7 @@ def sample_vmf(mu, kappa, seed):
     at_mu = tf.math.is_inf(kappa) & (kappa > 0)
     start = tf.where(at_mu, tf.zeros([n], dtype), tf.fill([n], tf.constant(math.nan, dtype)))
     _, t, _ = tf.while_loop(lambda round_, t, done: tf.logical_not(tf.reduce_all(done)), body,
-                            (tf.constant(0), start, tf.logical_not(drawn)))
+                            (tf.constant(0, tf.int64), start, tf.logical_not(drawn)))
     tangent = tf.random.stateless_normal([n, d - 1], seed + [1, 0], dtype=dtype)
     tangent = tangent / tf.norm(tangent, axis=-1, keepdims=True)
     x = tf.concat([(1.0 - t)[:, None], tf.sqrt(tf.maximum(t * (2.0 - t), 0.0))[:, None] * tangent], axis=-1)

@@ -352,6 +352,55 @@ def test_seeds_are_integers_at_least_zero(make, unseeded):
             make(None)
 
 
+def _generated_children(layer, seed):
+    return layer.generate(np.full((2, 3, 4), 0.5, "float32"), seed)[0]
+
+
+# Every method that takes a stateless seed, a pair of integers: (draw(seed), whether None, unseeded, is allowed).
+_PAIR_IMAGES = np.random.default_rng(0).uniform(size=(2, 12, 12, 1)).astype("float32")
+_GENERATIVE = GenerativeCapsules(3, 4, 4, seed=1)
+_GENERATIVE.infer(np.ones((2, 6, 4), "float32"))
+_PAIR_VAE = VariationalAutoencoder(image_size=(12, 12), latent=2, hidden=5, seed=0)
+_PAIR_CAPSULES = _capsule_model()
+SEED_PAIRS = [
+    (lambda s: _generated_children(_GENERATIVE, s), False),
+    (lambda s: _PAIR_VAE.bound(_PAIR_IMAGES, seed=s)["bound"], True),
+    (lambda s: _PAIR_CAPSULES.bound(_PAIR_IMAGES, seed=s)["bound"], True),
+]
+
+
+@pytest.mark.parametrize("draw, unseeded", SEED_PAIRS)
+def test_stateless_seeds_are_pairs_of_integers_and_their_values_alone_set_the_draws(draw, unseeded):
+    """A stateless seed is a pair of integers, given as a list, a tuple, a NumPy array or an int32 or int64
+    tensor; each form of the same values draws the same. Before, floats were truncated or failed in
+    TensorFlow's own words, (True, 1) drew or failed, a single integer failed in the stateless kernels, a list
+    and an int64 tensor of the same values drew differently in the capsule autoencoder (int32 and int64 split
+    differently), and 2**32 + 1 was wrapped to 1 in the generative capsules' draws."""
+    import tensorflow as tf
+
+    reference = draw(tf.constant([1, 2], tf.int64)).numpy()
+    for same in ([1, 2], (1, 2), np.array([1, 2]), np.array([1, 2], "int32"), [np.int64(1), np.int32(2)],
+                 tf.constant([1, 2], tf.int32)):
+        np.testing.assert_array_equal(draw(same).numpy(), reference, err_msg=repr(same))
+    assert not np.array_equal(draw([1, 3]).numpy(), reference)                          # the seed matters
+    assert not np.array_equal(draw([2 ** 32 + 1, 2]).numpy(), reference)                # no wrapping to int32
+    or_none = ", or None" if unseeded else ""
+    for bad in (3, (1.5, 2), np.array([1.0, 2.0]), (True, 1), [1, "2"], [1, 2, 3], [[1, 2]], "12", [2 ** 63, 0],
+                [1, None]):
+        message = re.escape(f"seed must be a pair of integers (a stateless seed){or_none}. Received: seed={bad!r}")
+        with pytest.raises(InputError, match=message):
+            draw(bad)
+    for bad in (tf.constant([1.0, 2.0]), tf.constant([1, 2, 3])):
+        with pytest.raises(InputError, match=re.escape(f"Received: a {bad.dtype.name} tensor of shape "
+                                                       f"{tuple(bad.shape)}")):
+            draw(bad)
+    if unseeded:
+        assert draw(None).shape == reference.shape
+    else:
+        with pytest.raises(InputError, match=r"Received: seed=None"):
+            draw(None)
+
+
 def test_check_number_returns_a_float_and_refuses_the_rest_by_name_and_range():
     assert check_number(2, "beta", above=0) == 2.0 and type(check_number(2, "beta", above=0)) is float
     assert type(check_number(np.float32(0.5), "p", above=0, below=1)) is float

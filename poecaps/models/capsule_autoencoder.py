@@ -160,6 +160,7 @@ from poecaps.validation import (
     check_integers,
     check_number,
     check_seed,
+    check_seed_pair,
     shape_fits,
     static_shape,
 )
@@ -400,6 +401,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         if (top_logits is None) != (top_pose is None):
             raise InputError("bound_terms takes top_logits and top_pose together, or neither (the top encoder then "
                              f"reads the drawn parts). Received: only {'top_pose' if top_logits is None else 'top_logits'}")
+        seed = check_seed_pair(seed, allow_none=True)
         seeds = [None, None] if seed is None else tf.unstack(tf.random.experimental.stateless_split(seed, 2))
         part_presence = concrete.sample(part_logits, g.temperature, seeds[0])
         seen_presence, seen_pose = part_presence, part_pose                 # the parts as the top layer sees them

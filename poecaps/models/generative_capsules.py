@@ -16,6 +16,7 @@ from poecaps.validation import (
     check_integer,
     check_number,
     check_seed,
+    check_seed_pair,
     shape_fits,
 )
 
@@ -273,10 +274,7 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         self._check_parents(v)
         dtype = v.dtype
         params = self._parameters(dtype)
-        seed = tf.convert_to_tensor(seed, tf.int32)
-        if seed.shape != (2,):
-            raise InputError(f"seed must be a pair of integers (stateless draws). Received: seed of shape "
-                             f"{tuple(seed.shape)}")
+        seed = check_seed_pair(seed)
         batch, num_in = tf.shape(v)[0], self.maps.shape[0]
         logits = tf.broadcast_to(params["log_pi"], (batch, num_in, self.num_parents))
         s = tf.random.stateless_categorical(tf.reshape(logits, (-1, self.num_parents)), 1, seed)[:, 0]

@@ -38,6 +38,7 @@ from poecaps.validation import (
     check_integers,
     check_number,
     check_seed,
+    check_seed_pair,
     shape_fits,
     static_shape,
 )
@@ -96,6 +97,7 @@ class VariationalAutoencoder(keras.Model):
         `training` changes nothing (no layer here acts differently in training); the trainer passes it to
         every model it trains.
         """
+        seed = check_seed_pair(seed, allow_none=True)
         mu, sigma = self.encode(images)
         # Seeded: under a strategy, one device's draws for the global batch, this replica's rows of them.
         normal = lambda size, seed: tf.random.stateless_normal(size, seed, dtype=mu.dtype)
