@@ -21,7 +21,7 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.errors import InputError
-from poecaps.validation import check_integer, check_number
+from poecaps.validation import check_integer, check_number, check_seed
 
 
 def _check_images(images, owner):
@@ -40,6 +40,22 @@ def _check_per_image(values, images, name, width=None):
     if len(shape) != len(wanted) or any(s is not None and w is not None and s != w for s, w in zip(shape, wanted)):
         described = "[B]" if width is None else f"[B, {width}]"
         raise InputError(f"{name} must be one value per image, {described} with B = {batch}. Received: shape {shape}")
+
+
+def _check_values(values, name, whole=False):
+    """`values` as a tensor; refuse, naming `name`, values that are not numbers, and known values (NumPy's, an
+    eager tensor's) that are not finite (or, with `whole`, not whole numbers). A traced tensor's values are not
+    known until it runs, so only its dtype is checked."""
+    tensor = ops.convert_to_tensor(values)
+    kind = "whole numbers" if whole else "finite numbers"
+    dtype = keras.backend.standardize_dtype(tensor.dtype)
+    if dtype == "bool" or not ("float" in dtype or "int" in dtype):
+        raise InputError(f"{name} must be {kind}. Received: {name} of dtype {dtype}")
+    if hasattr(tensor, "numpy"):                        # eager: the values are known
+        known = np.asarray(tensor.numpy(), "float64")
+        if not np.all(np.isfinite(known)) or (whole and not np.all(known == np.round(known))):
+            raise InputError(f"{name} must be {kind}. Received: {name}={np.asarray(values)!r}")
+    return tensor
 
 
 def _apply(images, matrices, interpolation="bilinear"):
@@ -79,7 +95,7 @@ def shift(images, shifts):
     projective-transform op).
     """
     _check_images(images, "shift")
-    shifts = ops.convert_to_tensor(shifts)
+    shifts = _check_values(shifts, "shifts", whole=True)
     _check_per_image(shifts, images, "shifts", width=2)
     h, w = images.shape[1], images.shape[2]
     shifts = ops.cast(shifts, "int32")
@@ -94,19 +110,22 @@ def shift(images, shifts):
 
 
 def _seed(seed):
-    """A `SeedGenerator` or an integer seed as given; None is 0."""
-    return 0 if seed is None else seed
+    """A `SeedGenerator` as given, or an integer seed >= 0 (`check_seed`); None is 0."""
+    if isinstance(seed, keras.random.SeedGenerator):
+        return seed
+    return check_seed(seed, allow_none=True) or 0
 
 
 def random_shift(images, max_shift=2, seed=None):
     """Shift each image by a whole number of pixels in [-max_shift, max_shift] (Sabour)."""
     _check_images(images, "random_shift")
     max_shift = check_integer(max_shift, "max_shift", minimum=0)
+    seed = _seed(seed)
     if max_shift == 0:
         return images
     batch = ops.shape(images)[0]
     draw = lambda shape, seed: keras.random.randint(shape, -max_shift, max_shift + 1, seed=seed)
-    return shift(images, distribute.per_example_draw(draw, (batch, 2), _seed(seed)))
+    return shift(images, distribute.per_example_draw(draw, (batch, 2), seed))
 
 
 def rotate(images, degrees):
@@ -115,9 +134,9 @@ def rotate(images, degrees):
     batch = ops.shape(images)[0]
     ones, zeros = ops.ones((batch,)), ops.zeros((batch,))
     if isinstance(degrees, numbers.Real):                       # NumPy scalars too
-        angle = ones * (degrees * math.pi / 180.0)
+        angle = ones * (check_number(degrees, "degrees") * math.pi / 180.0)
     else:
-        degrees = ops.convert_to_tensor(degrees)
+        degrees = _check_values(degrees, "degrees")
         if len(degrees.shape) != 0:
             _check_per_image(degrees, images, "degrees")
         angle = ones * (ops.cast(degrees, ones.dtype) * math.pi / 180.0)

@@ -171,11 +171,24 @@ _BATCH = np.zeros((3, 6, 6, 1), "float32")
     (lambda: transforms.random_affine(_BATCH, max_shear=float("nan"), seed=1), r"^max_shear must be a finite number"),
     (lambda: transforms.random_affine(_BATCH, scale_range=(1.2, 0.8), seed=1), r"^scale_range must be \(low, high\)"),
     (lambda: transforms.random_affine(_BATCH, scale_range=0.8, seed=1), r"scale_range=0.8$"),
+    (lambda: transforms.rotate(_BATCH, float("nan")), r"^degrees must be a finite number. Received: degrees=nan$"),
+    (lambda: transforms.rotate(_BATCH, True), r"^degrees must be a finite number. Received: degrees=True$"),
+    (lambda: transforms.rotate(_BATCH, np.array([1.0, np.inf, 0.0])), r"^degrees must be finite numbers. Received: degrees=array"),
+    (lambda: transforms.rotate(_BATCH, np.array([1, 0, 1], bool)), r"^degrees must be finite numbers. Received: degrees of dtype bool$"),
+    (lambda: transforms.rotate(_BATCH, "30"), r"^degrees must be finite numbers. Received: degrees of dtype string$"),
+    (lambda: transforms.shift(_BATCH, np.full((3, 2), 0.5)), r"^shifts must be whole numbers. Received: shifts="),
+    (lambda: transforms.shift(_BATCH, np.array([[0, 1], [np.nan, 0], [1, 1]])), r"^shifts must be whole numbers"),
+    (lambda: transforms.random_shift(_BATCH, 1, seed=1.5), r"^seed must be an integer >= 0, or None. Received: seed=1.5$"),
+    (lambda: transforms.random_shift(_BATCH, 0, seed=-1), r"^seed must be an integer >= 0, or None. Received: seed=-1$"),
+    (lambda: transforms.random_rotation(_BATCH, 10.0, seed="1"), r"^seed must be an integer >= 0, or None"),
+    (lambda: transforms.random_affine(_BATCH, seed=True), r"^seed must be an integer >= 0, or None. Received: seed=True$"),
 ])
 def test_transforms_refuse_images_and_ranges_they_would_misread(call, message):
     """Before, a single image, one angle or shift too few, and a negative or fractional max_shift failed inside
     TensorFlow's ops (an image of rank 3 as 'Input transform should be num_images x 8'), and a negative
-    max_degrees, a NaN max_shear or a reversed scale_range were taken without a word."""
+    max_degrees, a NaN max_shear or a reversed scale_range were taken without a word. So were a NaN or infinite
+    angle (an image of NaN), True (one degree) and shifts of NaN or half a pixel (cast to an integer: NaN to
+    some whole number, 0.5 to 0); a seed of -1 or True passed, 1.5 failed in Keras' words."""
     with pytest.raises(InputError, match=message):
         call()
 
