@@ -5,7 +5,15 @@ import numpy as np
 
 from poecaps.capsules import unsquash
 from poecaps.errors import InputError
-from poecaps.validation import check_array, check_integer, check_integers, check_labels
+from poecaps.validation import (
+    check_array,
+    check_image_shape,
+    check_integer,
+    check_integers,
+    check_labels,
+    check_number,
+    check_seed,
+)
 
 
 def mse(images, reconstructions):
@@ -39,11 +47,15 @@ def fit_linear_probe(train_features, train_labels, classes, max_iterations=500, 
     Features are `[N, ...]` finite numbers (flattened per example) and labels
     one integer in [0, classes) per example, `[N]`; anything else, such as a
     column of labels `[N, 1]` (which NumPy would broadcast against `[N]`
-    into a wrong accuracy), is an `InputError` naming it.
+    into a wrong accuracy), is an `InputError` naming it; so are `classes` and
+    `max_iterations` that are not integers >= 1 and an `l2` that is not a
+    finite number >= 0.
     """
     from scipy.linalg import blas
     from scipy.optimize import minimize
 
+    classes, max_iterations = check_integers(classes=classes, max_iterations=max_iterations)
+    l2 = check_number(l2, "l2", minimum=0)
     train, labels = _probe_set(train_features, train_labels, classes, "train")
     mean, std = train.mean(0), train.std(0) + 1e-6
     train = np.asfortranarray(np.hstack([(train - mean) / std, np.ones((len(train), 1))]))   # BLAS's layout
@@ -98,10 +110,12 @@ def probe_penalty(features, labels, penalties=PROBE_PENALTIES, folds=5, seed=0, 
         `accuracy` (a list in the order of `penalties`).
     """
     features, labels = np.asarray(features), np.asarray(labels)
-    if not 2 <= folds <= len(features):
+    if check_integer(folds, "folds", minimum=2) > len(features):
         raise InputError(f"folds must be in [2, {len(features)}] (the number of rows). Received: folds={folds}")
-    if len(penalties) == 0 or min(penalties) < 0:
-        raise InputError(f"penalties must be non-empty and non-negative. Received: {penalties}")
+    if not isinstance(penalties, (tuple, list)) or len(penalties) == 0:
+        raise InputError(f"penalties must be a non-empty list of numbers >= 0. Received: penalties={penalties!r}")
+    penalties = [check_number(l2, f"penalties[{k}]", minimum=0) for k, l2 in enumerate(penalties)]
+    seed, max_iterations = check_seed(seed), check_integer(max_iterations, "max_iterations")
     parts = np.array_split(np.random.default_rng(seed).permutation(len(features)), folds)
     accuracy = []
     for l2 in penalties:
@@ -116,8 +130,9 @@ def probe_penalty(features, labels, penalties=PROBE_PENALTIES, folds=5, seed=0, 
 
 
 def reference_classifier(input_shape, classes, seed=0):
-    """A small CNN that labels sampled images (trained on real ones)."""
-    keras.utils.set_random_seed(seed)
+    """A small CNN that labels sampled images (trained on real ones): `input_shape` (H, W, C), `classes` >= 1."""
+    input_shape, classes = check_image_shape(input_shape, "input_shape"), check_integer(classes, "classes")
+    keras.utils.set_random_seed(check_seed(seed))
     return keras.Sequential([
         keras.Input(input_shape),
         keras.layers.Conv2D(32, 3, activation="relu"),

@@ -426,6 +426,41 @@ def test_probe_penalty_is_the_best_mean_fold_accuracy_largest_on_ties(rng):
         metrics.probe_penalty(clean, labels, penalties=(-1.0,))
 
 
+_PROBE_X = np.eye(2)[np.arange(12) % 2] + 0.1 * np.arange(24).reshape(12, 2) / 24
+_PROBE_Y = np.arange(12) % 2
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: metrics.linear_probe(_PROBE_X, _PROBE_Y, _PROBE_X, _PROBE_Y, l2=float("nan")), "l2=nan"),
+    (lambda: metrics.linear_probe(_PROBE_X, _PROBE_Y, _PROBE_X, _PROBE_Y, l2=-1.0),
+     r"^l2 must be a finite number >= 0. Received: l2=-1.0$"),
+    (lambda: metrics.linear_probe(_PROBE_X, _PROBE_Y, _PROBE_X, _PROBE_Y, max_iterations=0),
+     r"^max_iterations must be an integer >= 1. Received: max_iterations=0$"),
+    (lambda: metrics.linear_probe(_PROBE_X, _PROBE_Y, _PROBE_X, _PROBE_Y, max_iterations=2.5), "max_iterations=2.5"),
+    (lambda: metrics.fit_linear_probe(_PROBE_X, _PROBE_Y, 2.5), r"^classes must be an integer >= 1. Received: classes=2.5$"),
+    (lambda: metrics.fit_linear_probe(_PROBE_X, _PROBE_Y, True), "classes=True"),
+    (lambda: metrics.probe_penalty(_PROBE_X, _PROBE_Y, folds=2.5), r"^folds must be an integer >= 2. Received: folds=2.5$"),
+    (lambda: metrics.probe_penalty(_PROBE_X, _PROBE_Y, penalties=(1.0, float("nan"))),
+     r"^penalties\[1\] must be a finite number >= 0. Received: penalties\[1\]=nan$"),
+    (lambda: metrics.probe_penalty(_PROBE_X, _PROBE_Y, penalties=1.0),
+     r"^penalties must be a non-empty list of numbers >= 0. Received: penalties=1.0$"),
+    (lambda: metrics.probe_penalty(_PROBE_X, _PROBE_Y, penalties="ab"), "penalties='ab'"),
+    (lambda: metrics.probe_penalty(_PROBE_X, _PROBE_Y, seed=-1), r"^seed must be an integer >= 0. Received: seed=-1$"),
+    (lambda: metrics.probe_penalty(_PROBE_X, _PROBE_Y, seed=1.5), "seed=1.5"),
+    (lambda: metrics.probe_penalty(_PROBE_X, _PROBE_Y, max_iterations=0), "max_iterations=0"),
+    (lambda: metrics.reference_classifier((8, 8, 1), 0), r"^classes must be an integer >= 1. Received: classes=0$"),
+    (lambda: metrics.reference_classifier((8, 8, 1), 2, seed=1.5), "seed=1.5"),
+    (lambda: metrics.reference_classifier((8, 8), 2), r"^input_shape must be \(height, width, channels\)"),
+])
+def test_probe_and_reference_classifier_settings_are_refused_by_name(call, message):
+    """Before, a NaN or negative `l2` was minimised as given (NaN weights, or an objective unbounded below,
+    whose accuracy was still reported), `max_iterations` of 0 or 2.5 went to SciPy as they were, 2.5 classes
+    or folds and a NaN or single penalty failed in NumPy or were chosen (a NaN penalty could win), and the
+    reference classifier's classes, seed and input shape failed in Keras' words."""
+    with pytest.raises(InputError, match=message):
+        call()
+
+
 def test_kmeans_recovers_separated_blobs_and_matches_a_plain_lloyd_step(rng):
     centres = np.array([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])
     truth = rng.integers(0, 3, size=300)
