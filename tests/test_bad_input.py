@@ -453,6 +453,8 @@ NUMBERS = [
     (lambda v: default_optimizer(momentum=v), "momentum", ">= 0 and < 1"),
     (lambda v: CDTrainer(CapsuleExperts(2, 3), l2=v), "l2", ">= 0"),
     (lambda v: CDTrainer(CapsuleExperts(2, 3), sparsity_target=v, sparsity_cost=1.0), "sparsity target", "> 0 and < 1"),
+    # without a cost too: before, a target of NaN, 'x' or 1.0 was taken and ignored, as if no penalty were asked
+    (lambda v: CDTrainer(CapsuleExperts(2, 3), sparsity_target=v), "sparsity target", "> 0 and < 1"),
 ]
 
 

@@ -126,7 +126,8 @@ class CDTrainer(Trainer):
             descends `cost sum_j (q_j - target)^2`, `q_j` the batch's mean
             probability that hidden unit j is on (per replica under a
             strategy, per shard with `shards > 1`); cost 0 (default) turns
-            it off.
+            it off. The target is a probability in (0, 1), with a cost or
+            without.
         population_sparsity_cost: with a cost > 0, the update also descends
             `cost J mean_b (r_b - sparsity_target)^2`, `r_b` the mean
             probability over the J hidden units for example b (population
@@ -166,9 +167,8 @@ class CDTrainer(Trainer):
         if persistent and distribute.num_replicas() > 1:
             raise InputError("Persistent chains live on one device; use CD-k (persistent=False) under a "
                              f"strategy with {distribute.num_replicas()} replicas. Received: persistent=True")
-        self.sparsity = None
-        if sparsity_cost or population_sparsity_cost:
-            self.sparsity = check_sparsity((sparsity_target, sparsity_cost, population_sparsity_cost))
+        sparsity = check_sparsity((sparsity_target, sparsity_cost, population_sparsity_cost))
+        self.sparsity = sparsity if sparsity[1] or sparsity[2] else None      # no penalty without a cost
         self.energy_model = model
         self._identity_preprocess = preprocess is None
         self.preprocess = preprocess or (lambda images: images)
