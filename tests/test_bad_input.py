@@ -57,7 +57,7 @@ from poecaps.routing import (
 )
 from poecaps.samplers import CapsuleSampler, RBMSampler
 from poecaps.trainers.autoencoder import AutoencoderTrainer
-from poecaps.trainers.cd import CDTrainer, OffCapsulesWarning, default_optimizer
+from poecaps.trainers.cd import CDTrainer, OffCapsulesWarning, cd_step, default_optimizer
 from poecaps.trainers.resumable import fit_resumable
 from poecaps.trainers.schedule import ScaledSchedule
 from poecaps.trainers.supervised import SupervisedTrainer
@@ -455,6 +455,8 @@ NUMBERS = [
     (lambda v: CDTrainer(CapsuleExperts(2, 3), sparsity_target=v, sparsity_cost=1.0), "sparsity target", "> 0 and < 1"),
     # without a cost too: before, a target of NaN, 'x' or 1.0 was taken and ignored, as if no penalty were asked
     (lambda v: CDTrainer(CapsuleExperts(2, 3), sparsity_target=v), "sparsity target", "> 0 and < 1"),
+    # before, a NaN or negative l2 made NaN or ascending weight decay
+    (lambda v: cd_step(CapsuleExperts(2, 3), np.ones((2, 4, 3), "float32"), l2=v), "l2", ">= 0"),
 ]
 
 

@@ -51,8 +51,10 @@ def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
     Returns `(grads, negatives, stats)`; `grads` are aligned with
     `model.trainable_weights` and are *descent* directions, i.e. `-dW + l2 W`
     for the CD update dW (Hauser eq. 18), ready for a Keras optimizer.
-    `sparsity=(target, cost)` adds the sparsity penalty of `EnergyModel`.
+    `sparsity=(target, cost)` adds the sparsity penalty of `EnergyModel`; `l2`
+    is a finite number >= 0.
     """
+    l2 = check_number(l2, "l2", minimum=0)
     ascent, negatives, stats = model.cd_gradients(x, steps=steps, chain=chain, sparsity=sparsity)
     return descent(ascent, model.trainable_weights, l2), negatives, stats
 
