@@ -10,17 +10,20 @@ import matplotlib.ticker
 import numpy as np
 
 from poecaps.errors import InputError
+from poecaps.validation import check_integer, check_number
 
 
 def mosaic(images, gap=2, fill=1.0):
     """Tile `images [rows, cols, H, W, C]` into one `[rows (H + gap) - gap, cols (W + gap) - gap, C]` array.
 
     Cell `(r, c)` starts at row `r (H + gap)` and column `c (W + gap)`;
-    the gaps between cells hold `fill`. Values are clipped to [0, 1].
+    the gaps between cells hold `fill`, a number in [0, 1]; `gap` is an
+    integer >= 0. Values are clipped to [0, 1].
     """
+    gap, fill = check_integer(gap, "gap", minimum=0), check_number(fill, "fill", minimum=0, maximum=1)
     images = np.clip(np.asarray(images, dtype="float32"), 0.0, 1.0)
-    if images.ndim != 5:
-        raise InputError(f"images must be [rows, cols, H, W, C]. Received: shape={images.shape}")
+    if images.ndim != 5 or images.size == 0:
+        raise InputError(f"images must be [rows, cols, H, W, C], no axis empty. Received: shape={images.shape}")
     rows, cols, height, width, channels = images.shape
     tiled = np.full((rows * (height + gap) - gap, cols * (width + gap) - gap, channels), fill, dtype="float32")
     for r in range(rows):

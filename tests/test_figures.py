@@ -33,6 +33,20 @@ def test_mosaic_keeps_colour_channels_and_refuses_other_shapes():
         figures.mosaic(images[0])
 
 
+@pytest.mark.parametrize("images, settings, message", [
+    ((1, 2, 3, 4, 1), {"gap": -1}, r"^gap must be an integer >= 0. Received: gap=-1$"),
+    ((1, 2, 3, 4, 1), {"gap": 2.5}, r"^gap must be an integer >= 0. Received: gap=2.5$"),
+    ((1, 2, 3, 4, 1), {"fill": float("nan")}, r"^fill must be a finite number >= 0 and <= 1. Received: fill=nan$"),
+    ((1, 2, 3, 4, 1), {"fill": 2.0}, r"fill=2.0$"),
+    ((0, 2, 3, 4, 1), {}, r"^images must be \[rows, cols, H, W, C\], no axis empty. Received: shape=\(0, 2, 3, 4, 1\)$"),
+])
+def test_mosaic_refuses_gaps_fills_and_grids_it_cannot_draw(images, settings, message):
+    """Before, a gap of -1 overlapped the cells (each one's last rows overwritten by the next), 2.5 and an empty
+    grid failed in NumPy's words, and a NaN or out-of-range fill was drawn as it was (NaN gaps)."""
+    with pytest.raises(InputError, match=message):
+        figures.mosaic(np.zeros(images, "float32"), **settings)
+
+
 def test_image_grid_writes_a_png_of_its_figure_size(tmp_path):
     images = np.random.default_rng(0).uniform(size=(3, 5, 28, 28, 1))
     path = tmp_path / "grid.png"
