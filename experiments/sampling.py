@@ -7,6 +7,8 @@ from poecaps.experiments.configs import LayerwiseConfig
 from poecaps.experiments.runs import RunDir, read_settings
 from poecaps.experiments.trained import load_pipeline
 from poecaps.samplers import CapsuleSampler
+from poecaps.samplers.capsule import DOMAINS
+from poecaps.validation import check_choice, check_integer, check_seed
 
 
 def sample_run(run_dir, rows=None, domain=None, seed=0):
@@ -19,6 +21,10 @@ def sample_run(run_dir, rows=None, domain=None, seed=0):
     Returns:
         dict with the paths `png` and `npz` and the images' `shape`.
     """
+    # checked before the run is read and its models loaded
+    rows, seed = check_integer(rows, "rows", allow_none=True), check_seed(seed)
+    if domain is not None:
+        check_choice(domain, "domain", DOMAINS)
     run = RunDir(run_dir, create=False)
     config = read_settings(run, LayerwiseConfig)
     rows = config.sample_rows if rows is None else rows

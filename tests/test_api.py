@@ -86,6 +86,23 @@ def test_the_research_programs_check_their_settings_before_any_work(tmp_path):
         api.probabilistic_capsules(str(run), evaluate_only=True, seed=3, tto_steps=1)
 
 
+def test_sample_checks_rows_domain_and_seed_before_reading_the_run(tmp_path):
+    """Before, the run was read and its models loaded first: a missing run was all one heard of a bad setting,
+    and with a run the sampler refused it only after the load."""
+    from poecaps.errors import InputError
+    from poecaps.experiments import api
+
+    missing = str(tmp_path / "missing")
+    for settings, message in [({"rows": 0}, r"^rows must be an integer >= 1, or None. Received: rows=0$"),
+                              ({"rows": 2.5}, "rows=2.5"),
+                              ({"domain": "half"}, r"^domain must be one of 'full', 'restricted', 'winning'"),
+                              ({"seed": -1}, r"^seed must be an integer >= 0. Received: seed=-1$")]:
+        with pytest.raises(InputError, match=message):
+            api.sample(missing, **settings)
+    with pytest.raises(InputError, match="No run directory"):           # good settings: the run is read
+        api.sample(missing, rows=2, domain="winning", seed=3)
+
+
 def test_the_research_functions_defaults_are_their_configs():
     # Called directly, the experiment functions default to what the scripts and the API declare.
     import dataclasses
