@@ -42,6 +42,37 @@ def test_the_pipeline_decodes_only_upper_capsules_of_its_shape(pipeline):
             pipeline.decode(np.zeros(shape, "float32"))
 
 
+def test_the_pipeline_refuses_components_and_statistics_it_would_misuse(pipeline):
+    """Before, any object was taken as a component (an encoder as the autoencoder failed at its first use:
+    'no attribute encode'); a code mean of [C] or [W, C] was broadcast against the code without a word, one of
+    NaN made every image NaN, and directions of NaN, or of the wrong shape, failed in NumPy's broadcasting when
+    the sampler used them, or with NaN picked a half of capsule space that meant nothing."""
+    ae, encoder = pipeline.autoencoder, pipeline.encoder
+    height, width, channels = ae.code_shape
+    refused = [
+        (lambda: CapsulePipeline(encoder), (r"^autoencoder must be a poecaps.layers.ConvAutoencoder. Received: "
+                                           r"CapsuleExperts$")),
+        (lambda: CapsulePipeline(ae, decoder=ae), r"^decoder must be a poecaps.experts.CapsuleExperts, or None"),
+        (lambda: CapsulePipeline(ae, capsule_dim=2.5), r"^capsule_dim must be an integer >= 1"),
+        (lambda: CapsulePipeline(ae, code_mean=np.zeros(channels)),
+         (rf"^code_mean must have shape \[{height}, {width}, {channels}\] \(\[H, W, C\]\)\. Received: shape "
+         rf"\({channels},\)$")),
+        (lambda: CapsulePipeline(ae, code_mean=np.zeros((width, channels))), r"^code_mean must have shape"),
+        (lambda: CapsulePipeline(ae, code_mean=np.full(ae.code_shape, np.nan)), r"^code_mean holds \d+ NaN"),
+        (lambda: CapsulePipeline(ae, encoder, mean_directions=np.ones((4, 4))),
+         r"^mean_directions must have shape \[3, 4\] \(\[J, D\]\)\. Received: shape \(4, 4\)$"),
+        (lambda: CapsulePipeline(ae, encoder, winning_axes=np.full((3, 4), np.nan)), r"^winning_axes holds 12 NaN"),
+        (lambda: CapsulePipeline(ae, winning_axes=np.ones(4)), r"^winning_axes must have shape \[J, D\]"),
+    ]
+    for make, message in refused:
+        with pytest.raises(InputError, match=message):
+            make()
+    with pytest.raises(InputError, match=r"^mean_directions must have shape \[3, 4\]"):     # set afterwards
+        pipeline.mean_directions = np.ones((3, 5))
+    pipeline.code_mean = np.zeros(ae.code_shape, "float64")                               # kept as float32
+    assert pipeline.code_mean.dtype == np.float32 and pipeline.encode(np.zeros((1, 16, 16, 1), "float32")).shape == (1, 3, 4)
+
+
 def test_capsule_sampler_grid_shape_and_range(pipeline):
     sampler = samplers.get("capsule", pipeline=pipeline, seed=0)
     images = sampler.sample(rows=5)["images"]

@@ -10,7 +10,7 @@ from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquas
 from poecaps.errors import InputError
 from poecaps.graphs import batched
 from poecaps.models.saving import load_component, save_component
-from poecaps.validation import shape_fits
+from poecaps.validation import check_array, check_integer, shape_fits
 
 # The trained components, each saved as `<name>.keras` (Keras' own format).
 COMPONENTS = ("autoencoder", "encoder", "decoder")
@@ -40,6 +40,37 @@ def decoder_kernel_from_encoder(encoder, reads_length=False):
     return keras.ops.concatenate([kernel * np.sqrt(2.0), keras.ops.zeros_like(kernel[..., :1])], axis=-1)
 
 
+class _Statistic:
+    """A statistic of the training data kept beside the components: None, or finite numbers of the shape
+    `shape(pipeline)` gives (None: any shape of `rank` axes), stored as float32 NumPy. Checked whenever it is
+    set, in the constructor or after."""
+
+    def __init__(self, shape, rank, described):
+        self.shape, self.rank, self.described = shape, rank, described
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, pipeline, owner=None):
+        return self if pipeline is None else pipeline.__dict__.get(self.name)
+
+    def __set__(self, pipeline, value):
+        if value is not None:
+            value = check_array(value, self.name)
+            shape = self.shape(pipeline)
+            if value.ndim != self.rank or (shape is not None and value.shape != tuple(shape)):
+                wanted = self.described if shape is None else "[" + ", ".join(map(str, shape)) + "]"
+                raise InputError(f"{self.name} must have shape {wanted} ({self.described}). Received: shape "
+                                 f"{value.shape}")
+        pipeline.__dict__[self.name] = value
+
+
+def _upper_shape(pipeline):
+    """`(J, D)` of the upper capsules, known from the encoder; None without one."""
+    encoder = pipeline.encoder
+    return None if encoder is None else (encoder.num_capsules, encoder.capsule_dim)
+
+
 class CapsulePipeline:
     """Hauser's network (Figure 1): conv front end, capsule encoder W and capsule decoder U.
 
@@ -63,14 +94,30 @@ class CapsulePipeline:
             toward the side its winning training poses visit
             (`poecaps.metrics.winning_side_axes`; the sampler's
             `half="winning"`), or None.
+
+    A component of another kind, a `capsule_dim` that is not an integer >= 1,
+    and arrays that are not finite numbers of the shapes above (the code's
+    once the autoencoder is built, the encoder's J and D) are an `InputError`;
+    the arrays are checked whenever they are set.
     """
+
+    code_mean = _Statistic(lambda pipeline: getattr(pipeline.autoencoder, "code_shape", None), 3, "[H, W, C]")
+    mean_directions = _Statistic(_upper_shape, 2, "[J, D]")
+    winning_axes = _Statistic(_upper_shape, 2, "[J, D]")
 
     def __init__(self, autoencoder, encoder=None, decoder=None, capsule_dim=8, code_mean=None,
                  mean_directions=None, winning_axes=None):
+        if not isinstance(autoencoder, layers.ConvAutoencoder):
+            raise InputError(f"autoencoder must be a poecaps.layers.ConvAutoencoder. Received: "
+                             f"{type(autoencoder).__name__}")
+        for name, part in (("encoder", encoder), ("decoder", decoder)):
+            if part is not None and not isinstance(part, experts.CapsuleExperts):
+                raise InputError(f"{name} must be a poecaps.experts.CapsuleExperts, or None. Received: "
+                                 f"{type(part).__name__}")
         self.autoencoder = autoencoder
         self.encoder = encoder
         self.decoder = decoder
-        self.capsule_dim = capsule_dim
+        self.capsule_dim = check_integer(capsule_dim, "capsule_dim")
         self.code_mean = code_mean
         self.mean_directions = mean_directions
         self.winning_axes = winning_axes
