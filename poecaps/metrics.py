@@ -429,11 +429,12 @@ def kmeans(points, k, seed=0, iterations=100):
     capsules at all: `k` prototypes of the raw pixels, each image assigned to
     the nearest. Starts from `k` distinct points drawn with `seed`; stops
     when no assignment changes or after `iterations` updates. A cluster that
-    loses all its points keeps its centroid.
+    loses all its points keeps its centroid. `points` are finite numbers.
     """
-    points = np.asarray(points, "float64")
+    points = check_array(points, "points", (None,), dtype="float64")
     k, iterations = check_integers(k=k, iterations=iterations)
-    if points.ndim != 2 or not 1 <= k <= len(points):
+    seed = check_seed(seed)
+    if not 1 <= k <= len(points):
         raise InputError(f"kmeans needs points [N, F] and 1 <= k <= N. Received shape {points.shape} and k={k}")
     centroids = points[np.random.default_rng(seed).choice(len(points), k, replace=False)]
     assignment = None
@@ -450,8 +451,10 @@ def kmeans(points, k, seed=0, iterations=100):
 
 
 def nearest_centroid(points, centroids):
-    """Index of each point's nearest centroid (squared Euclidean), `[N]`."""
-    points, centroids = np.asarray(points, "float64"), np.asarray(centroids, "float64")
+    """Index of each point's nearest centroid (squared Euclidean), `[N]`: points `[N, F]` and centroids `[K, F]`,
+    finite numbers."""
+    points = check_array(points, "points", (None,), dtype="float64")
+    centroids = check_array(centroids, "centroids", (points.shape[1],), dtype="float64")
     distances = (np.sum(points ** 2, axis=1)[:, None] - 2 * points @ centroids.T
                  + np.sum(centroids ** 2, axis=1)[None])
     return np.argmin(distances, axis=1)

@@ -512,6 +512,16 @@ def test_kmeans_recovers_separated_blobs_and_matches_a_plain_lloyd_step(rng):
                          ("k", {"k": 2.5})):
         with pytest.raises(InputError, match=rf"^{name} must be an integer >= 1\. Received: {name}="):
             metrics.kmeans(points, **{"k": 3, **kwargs}, seed=0)
+    # before: a seed of -1 or 1.5 failed in NumPy's words, one NaN put every point in one cluster with a NaN
+    # centroid, and centroids of another width failed in a matrix product
+    with pytest.raises(InputError, match=r"^seed must be an integer >= 0\. Received: seed=-1$"):
+        metrics.kmeans(points, 3, seed=-1)
+    with pytest.raises(InputError, match=r"^points holds 1 NaN or infinite values"):
+        metrics.kmeans(np.where(np.arange(600).reshape(300, 2) == 5, np.nan, points), 3)
+    with pytest.raises(InputError, match=r"^points must have shape \[N, \?\]\. Received: shape \(300,\)$"):
+        metrics.kmeans(points[:, 0], 3)
+    with pytest.raises(InputError, match=r"^centroids must have shape \[N, 2\]\. Received: shape \(3, 3\)$"):
+        metrics.nearest_centroid(points, np.zeros((3, 3)))
 
 
 def test_cluster_purity_hand_computed():
