@@ -5,6 +5,7 @@ import os
 from poecaps import inference
 from poecaps.experiments import figures
 from poecaps.experiments.configs import ToyRoutingConfig
+from poecaps.experiments.runs import RunDir
 
 
 def toy_routing(run_dir, steps=500, learning_rate=0.01):
@@ -14,6 +15,7 @@ def toy_routing(run_dir, steps=500, learning_rate=0.01):
     settings are checked (`configs.ToyRoutingConfig`) before anything is written.
     """
     ToyRoutingConfig(steps=steps, learning_rate=learning_rate)
+    RunDir(run_dir, create="later")          # a file where the folder should be is refused before the runs
     finals, panels = {}, []
     for reading in inference.READINGS:
         row = []

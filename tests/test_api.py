@@ -103,6 +103,21 @@ def test_sample_checks_rows_domain_and_seed_before_reading_the_run(tmp_path):
         api.sample(missing, rows=2, domain="winning", seed=3)
 
 
+def test_toy_routing_refuses_a_file_for_its_folder_before_running(tmp_path, monkeypatch):
+    """Before, the six settings ran first and then `os.makedirs` failed: '[Errno 17] File exists'."""
+    from poecaps import inference
+    from poecaps.errors import InputError
+    from poecaps.experiments import api
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the toy ran before its folder was checked")
+    monkeypatch.setattr(inference, "toy_states", ran)
+    path = tmp_path / "a_file"
+    path.write_text("")
+    with pytest.raises(InputError, match=r"^The run directory .*a_file is a file; pass a folder \(--run-dir\)\.$"):
+        api.toy_routing(str(path))
+
+
 def test_the_research_functions_defaults_are_their_configs():
     # Called directly, the experiment functions default to what the scripts and the API declare.
     import dataclasses
