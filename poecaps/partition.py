@@ -45,6 +45,13 @@ Attributes:
 """
 
 
+def _check_verbose(verbose):
+    """`verbose` if it is 0, 1 or 2, Keras' settings of a progress bar; else an `InputError` naming it."""
+    if isinstance(verbose, bool) or verbose not in (0, 1, 2):
+        raise InputError(f"verbose must be 0, 1 or 2. Received: verbose={verbose!r}")
+    return int(verbose)
+
+
 def parameters(rbm):
     """`(W [V, H], b [V], a [H])` of a built `BernoulliRBM`, as float64 NumPy."""
     if not isinstance(rbm, BernoulliRBM):
@@ -74,13 +81,15 @@ def exact_log_partition(rbm, max_units=22, chunk=1 << 14, verbose=1):
         rbm: a built `poecaps.rbm.BernoulliRBM`.
         max_units: refuse layers with more units than this (2^n terms).
         chunk: states summed per step.
-        verbose: 1 shows a progress bar over the states, 0 nothing.
+        verbose: 1 shows a progress bar over the states, 2 one line at the
+            end, 0 nothing.
 
     Returns:
         `log Z` as a Python float.
     """
     max_units = check_integer(max_units, "max_units")
     chunk = check_integer(chunk, "chunk")
+    verbose = _check_verbose(verbose)
     W, b, a = parameters(rbm)
     n = min(W.shape)
     if n > max_units:
@@ -252,12 +261,14 @@ def ais_log_partition(rbm, chains=100, betas=10000, base_visible_bias=None, seed
         base_visible_bias: `b_0 [V]`; None gives zeros (the uniform base).
             `base_rate_bias(data)` gives the data's independent-pixel model.
         seed: integer seed of the draws (stateless: the same seed repeats).
-        verbose: 1 shows a progress bar over the temperatures, 0 nothing.
+        verbose: 1 shows a progress bar over the temperatures, 2 one line
+            at the end, 0 nothing.
 
     Returns:
         `AISResult(log_partition, std_error, log_weights, log_base_partition)`.
     """
     chains = check_integer(chains, "chains")
+    verbose = _check_verbose(verbose)
     seed = check_integer(seed, "seed", minimum=0)
     betas = _check_betas(betas)
     W, b, a = parameters(rbm)

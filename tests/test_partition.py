@@ -179,3 +179,8 @@ def test_bad_inputs_are_refused_by_name():
         partition.independent_log_likelihood(np.zeros((2, 3)), np.zeros((1, 3)))
     with pytest.raises(InputError, match="binary"):
         partition.independent_log_likelihood(np.zeros(3), np.full((1, 3), 0.5))
+    # before, any other verbose ('x', 5, -1, None) silently showed no progress at all
+    for verbose in ("x", 5, -1, None, True):
+        for estimate in (partition.exact_log_partition, partition.ais_log_partition, partition.log_partition):
+            with pytest.raises(InputError, match=rf"^verbose must be 0, 1 or 2\. Received: verbose={verbose!r}$"):
+                estimate(rbm, verbose=verbose)
