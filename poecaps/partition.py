@@ -31,7 +31,7 @@ from scipy.special import logsumexp
 
 from poecaps.errors import InputError
 from poecaps.rbm import BernoulliRBM
-from poecaps.validation import check_array, check_integer, check_number
+from poecaps.validation import check_array, check_integer, check_number, check_verbose
 
 AISResult = collections.namedtuple("AISResult", "log_partition std_error log_weights log_base_partition")
 AISResult.__doc__ = """What `ais_log_partition` returns.
@@ -43,13 +43,6 @@ Attributes:
     log_weights: `[M]` float64, the importance log weights `log w_m`.
     log_base_partition: `log Z_0` of the base model.
 """
-
-
-def _check_verbose(verbose):
-    """`verbose` if it is 0, 1 or 2, Keras' settings of a progress bar; else an `InputError` naming it."""
-    if isinstance(verbose, bool) or verbose not in (0, 1, 2):
-        raise InputError(f"verbose must be 0, 1 or 2. Received: verbose={verbose!r}")
-    return int(verbose)
 
 
 def parameters(rbm):
@@ -89,7 +82,7 @@ def exact_log_partition(rbm, max_units=22, chunk=1 << 14, verbose=1):
     """
     max_units = check_integer(max_units, "max_units")
     chunk = check_integer(chunk, "chunk")
-    verbose = _check_verbose(verbose)
+    verbose = check_verbose(verbose)
     W, b, a = parameters(rbm)
     n = min(W.shape)
     if n > max_units:
@@ -268,7 +261,7 @@ def ais_log_partition(rbm, chains=100, betas=10000, base_visible_bias=None, seed
         `AISResult(log_partition, std_error, log_weights, log_base_partition)`.
     """
     chains = check_integer(chains, "chains")
-    verbose = _check_verbose(verbose)
+    verbose = check_verbose(verbose)
     seed = check_integer(seed, "seed", minimum=0)
     betas = _check_betas(betas)
     W, b, a = parameters(rbm)

@@ -70,6 +70,16 @@ def check_flag(value, name):
     return bool(value)
 
 
+def check_verbose(verbose, allow_auto=False):
+    """`verbose` if it is 0, 1 or 2 (Keras' settings of a progress bar: none, a bar, one line at the end), or
+    with `allow_auto` "auto"; else an `InputError` naming it. Bools are refused, where Keras would read True as 1."""
+    choices = ("auto", 0, 1, 2) if allow_auto else (0, 1, 2)
+    if isinstance(verbose, bool) or not isinstance(verbose, Hashable) or verbose not in choices:
+        raise InputError(f"verbose must be {', '.join(map(repr, choices[:-1]))} or {choices[-1]}. Received: "
+                         f"verbose={verbose!r}")
+    return verbose
+
+
 def check_choice(value, name, choices, error=InputError):
     """Return `value` if it equals one of `choices` (any iterable of names, a dict's keys); else raise `error`.
 

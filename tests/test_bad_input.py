@@ -109,11 +109,15 @@ def test_bad_training_arrays(capsnet, x, y, message):
     ({"batch_size": 0}, "batch_size must be an integer >= 1. Received: batch_size=0"),
     ({"batch_size": "2"}, "batch_size must be an integer >= 1. Received: batch_size='2'"),
     ({"save_every": -1}, "save_every must be an integer >= 0. Received: save_every=-1"),
+    # before, Keras took these as they were ('x', 3) or read True as a progress bar
+    ({"verbose": "x"}, "verbose must be 'auto', 0, 1 or 2. Received: verbose='x'"),
+    ({"verbose": 3}, "verbose must be 'auto', 0, 1 or 2. Received: verbose=3"),
+    ({"verbose": True}, "verbose must be 'auto', 0, 1 or 2. Received: verbose=True"),
 ])
 def test_fit_resumable_refuses_bad_counts_by_name(capsnet, counts, message):
-    settings = {"epochs": 1, "batch_size": 2, **counts}
+    settings = {"epochs": 1, "batch_size": 2, "verbose": 0, **counts}
     with pytest.raises(InputError, match="^" + re.escape(message) + "$"):
-        fit_resumable(capsnet, _images(), LABELS, seed=0, verbose=0, **settings)
+        fit_resumable(capsnet, _images(), LABELS, seed=0, **settings)
 
 
 def test_bad_visible_units_for_cd():

@@ -25,7 +25,13 @@ from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import check_batch
 from poecaps.trainers.checkpoints import CheckpointManager
 from poecaps.trainers.guard import NonFiniteGuard
-from poecaps.validation import check_choice, check_integer, check_integers, check_seed
+from poecaps.validation import (
+    check_choice,
+    check_integer,
+    check_integers,
+    check_seed,
+    check_verbose,
+)
 
 
 def epoch_order(seed, epoch, size):
@@ -220,7 +226,7 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         The merged history dict (`{metric: [per-epoch values]}`) of this call.
     """
     check_choice(on_nan, "on_nan", NAN_POLICIES)
-    if verbose == "auto":
+    if check_verbose(verbose, allow_auto=True) == "auto":
         live = getattr(sys.stdout, "isatty", lambda: False)() or "ipykernel" in sys.modules
         verbose = 1 if live or "PYCHARM_HOSTED" in os.environ else 2
     epochs, batch_size = check_integers(epochs=epochs, batch_size=batch_size)
