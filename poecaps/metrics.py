@@ -7,6 +7,7 @@ from poecaps.capsules import unsquash
 from poecaps.errors import InputError
 from poecaps.validation import (
     check_array,
+    check_finite,
     check_image_shape,
     check_integer,
     check_integers,
@@ -181,6 +182,7 @@ def mean_directions(upper):
     upper = np.asarray(upper, "float64")
     if upper.ndim != 3 or len(upper) == 0:
         raise InputError(f"mean_directions needs upper capsules [N, J, D], N > 0. Received shape {upper.shape}")
+    check_finite(upper, "upper")
     directions = np.mean(upper / (np.linalg.norm(upper, axis=-1, keepdims=True) + 1e-12), axis=0)
     return directions / (np.linalg.norm(directions, axis=-1, keepdims=True) + 1e-12)
 
@@ -199,6 +201,7 @@ def pose_second_moments(upper):
     upper = np.asarray(upper)
     if upper.ndim != 3 or len(upper) == 0:
         raise InputError(f"pose_second_moments needs upper capsules [N, J, D]. Received shape {upper.shape}")
+    check_finite(upper, "upper")
     z = np.asarray(keras.ops.convert_to_numpy(unsquash(upper.astype("float32"))), "float64")
     # [N, J, D] x [N, J, D] -> [J, D, D], the mean of z_j z_j^T over the N images
     return np.einsum("njd,nje->jde", z, z) / len(z)
@@ -242,6 +245,7 @@ def principal_share(moments):
     moments = np.asarray(moments, "float64")
     if moments.ndim != 3 or moments.shape[1] != moments.shape[2]:
         raise InputError(f"principal_share needs moments [J, D, D]. Received shape {moments.shape}")
+    check_finite(moments, "moments")
     eigenvalues = np.linalg.eigvalsh(moments)
     return eigenvalues[:, -1] / np.maximum(np.trace(moments, axis1=1, axis2=2), 1e-30)
 
@@ -268,6 +272,7 @@ def class_selectivity(activity, labels, classes):
         raise InputError(f"class_selectivity needs activity [N, J] and labels [N]. "
                          f"Received shapes {activity.shape} and {labels.shape}")
     labels = check_labels(labels, classes, len(activity))     # one would be left out, or fail inside NumPy
+    check_finite(activity, "activity")
     present = [c for c in range(classes) if np.any(labels == c)]
     means = np.stack([activity[labels == c].mean(axis=0) for c in present])   # [C, J]
     preferred = [present[k] for k in np.argmax(means, axis=0)]
@@ -288,6 +293,7 @@ def keep_longest(upper, k=1):
     if upper.ndim != 3 or not 1 <= k <= upper.shape[1]:
         raise InputError(f"keep_longest needs upper capsules [N, J, D] and 1 <= k <= J. "
                          f"Received shape {upper.shape} and k={k}")
+    check_finite(upper, "upper")
     longest = np.argsort(-np.linalg.norm(upper, axis=-1), axis=1, kind="stable")[:, :k]
     mask = np.zeros(upper.shape[:2], upper.dtype)
     np.put_along_axis(mask, longest, 1, axis=1)
@@ -305,6 +311,8 @@ def principal_axes(moments, directions):
     if moments.ndim != 3 or directions.shape != moments.shape[:2]:
         raise InputError(f"principal_axes needs moments [J, D, D] and directions [J, D]. "
                          f"Received shapes {moments.shape} and {directions.shape}")
+    check_finite(moments, "moments")
+    check_finite(directions, "directions")
     axes = _principal_directions(moments)
     return axes * np.where(np.sum(axes * directions, axis=-1, keepdims=True) < 0, -1.0, 1.0)
 
@@ -339,12 +347,14 @@ def winning_side_axes(upper, moments=None):
     upper = np.asarray(upper)
     if upper.ndim != 3 or len(upper) == 0:
         raise InputError(f"winning_side_axes needs upper capsules [N, J, D], N > 0. Received shape {upper.shape}")
+    check_finite(upper, "upper")
     if moments is None:
         moments = longest_pose_second_moments(upper)[0]
     moments = np.asarray(moments, "float64")
     if moments.shape != (upper.shape[1], upper.shape[2], upper.shape[2]):
         raise InputError(f"winning_side_axes needs moments [J, D, D] = "
                          f"{(upper.shape[1], upper.shape[2], upper.shape[2])}. Received shape {moments.shape}")
+    check_finite(moments, "moments")
     axes = _principal_directions(moments)
     first = axes[np.arange(len(axes)), np.argmax(np.abs(axes) > 1e-12, axis=-1)]
     axes = axes * np.where(first < 0, -1.0, 1.0)[:, None]
@@ -386,6 +396,8 @@ def longest_capsule_side_clusters(upper, labels, classes, axes):
         raise InputError(f"longest_capsule_side_clusters needs upper [N, J, D], labels [N] (N > 0) and "
                          f"axes [J, D]. Received shapes {upper.shape}, {labels.shape} and {axes.shape}")
     labels = check_labels(labels, classes, len(upper))
+    check_finite(upper, "upper")
+    check_finite(axes, "axes")
     rows = np.arange(len(upper))
     winner = np.argmax(np.linalg.norm(upper, axis=-1), axis=1)
     other_side = np.sum(upper[rows, winner] * axes[winner], axis=-1) < 0
@@ -419,6 +431,7 @@ def longest_capsule_clusters(lengths, labels, classes):
         raise InputError(f"longest_capsule_clusters needs lengths [N, J] and labels [N], N > 0. "
                          f"Received shapes {lengths.shape} and {labels.shape}")
     labels = check_labels(labels, classes, len(lengths))
+    check_finite(lengths, "lengths")            # NumPy's argmax takes a NaN for the longest
     return _clusters(np.argmax(lengths, axis=1), labels, classes, lengths.shape[1])
 
 

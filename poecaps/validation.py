@@ -185,13 +185,20 @@ def check_array(array, name, shape=None, low=None, high=None, what="values", dty
         if array.ndim != len(expected) or any(e is not None and e != a for e, a in zip(expected, array.shape)):
             wanted = "[N, " + ", ".join("?" if e is None else str(e) for e in shape) + "]"
             raise InputError(f"{name} must have shape {wanted}. Received: shape {array.shape}")
-    array = array.astype(dtype, copy=False)
-    if not np.isfinite(array).all():
-        count = int(np.size(array) - np.isfinite(array).sum())
-        raise InputError(f"{name} holds {count} NaN or infinite {what}; they must all be finite.")
+    array = check_finite(array.astype(dtype, copy=False), name, what)
     if low is not None and high is not None and (array.min() < low or array.max() > high):
         raise InputError(f"{name} must lie in [{low}, {high}]. Received: {what} from {array.min():g} "
                          f"to {array.max():g} (divide 8-bit images by 255)")
+    return array
+
+
+def check_finite(array, name, what="values"):
+    """`array` (NumPy numbers) unchanged if every entry is finite; else an `InputError` naming it and counting the
+    NaN and infinite entries."""
+    finite = np.isfinite(array)
+    if not finite.all():
+        raise InputError(f"{name} holds {int(finite.size - finite.sum())} NaN or infinite {what}; they must all be "
+                         f"finite.")
     return array
 
 

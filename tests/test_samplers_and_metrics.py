@@ -524,6 +524,41 @@ def test_kmeans_recovers_separated_blobs_and_matches_a_plain_lloyd_step(rng):
         metrics.nearest_centroid(points, np.zeros((3, 3)))
 
 
+def _with_nan(array, index):
+    array = np.array(array, "float32")
+    array[index] = np.nan
+    return array
+
+
+_UPPER = np.random.default_rng(0).normal(size=(20, 3, 4)).astype("float32") * 0.3
+_CLASSES = np.arange(20) % 2
+_MOMENTS = np.stack([np.diag([4.0, 3.0, 2.0, 1.0])] * 3)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: metrics.mean_directions(_with_nan(_UPPER, (0, 1, 0))), "upper"),
+    (lambda: metrics.pose_second_moments(_with_nan(_UPPER, (3, 0, 2))), "upper"),
+    (lambda: metrics.longest_pose_second_moments(_with_nan(_UPPER, (3, 0, 2))), "upper"),
+    (lambda: metrics.principal_share(_with_nan(_MOMENTS, (0, 0, 0))), "moments"),
+    (lambda: metrics.class_selectivity(_with_nan(np.ones((20, 3)), (0, 2)), _CLASSES, 2), "activity"),
+    (lambda: metrics.keep_longest(_with_nan(_UPPER, (0, 1, 0))), "upper"),
+    (lambda: metrics.principal_axes(_with_nan(_MOMENTS, (1, 2, 3)), np.ones((3, 4))), "moments"),
+    (lambda: metrics.principal_axes(_MOMENTS, _with_nan(np.ones((3, 4)), (2, 0))), "directions"),
+    (lambda: metrics.winning_side_axes(_with_nan(_UPPER, (0, 1, 0))), "upper"),
+    (lambda: metrics.winning_side_axes(_UPPER, _with_nan(_MOMENTS, (0, 0, 0))), "moments"),
+    (lambda: metrics.longest_capsule_side_clusters(_with_nan(_UPPER, (0, 1, 0)), _CLASSES, 2, np.ones((3, 4))),
+     "upper"),
+    (lambda: metrics.longest_capsule_side_clusters(_UPPER, _CLASSES, 2, _with_nan(np.ones((3, 4)), (0, 0))), "axes"),
+    (lambda: metrics.longest_capsule_clusters(_with_nan(np.ones((20, 3)), (0, 2)), _CLASSES, 2), "lengths"),
+])
+def test_capsule_statistics_refuse_values_that_are_not_finite(call, name):
+    """Before, one NaN was taken silently: NumPy's argmax counted it as the longest capsule (a win for its
+    cluster), eigh returned an arbitrary axis for a moment of NaN, and the directions, shares and spreads came
+    out NaN or wrong without a word."""
+    with pytest.raises(InputError, match=rf"^{name} holds 1 NaN or infinite values; they must all be finite\.$"):
+        call()
+
+
 def test_cluster_purity_hand_computed():
     result = metrics.cluster_purity(np.array([0, 0, 0, 1, 1, 2]), np.array([1, 1, 2, 0, 0, 0]), 3, 4)
     assert result["size"] == [3, 2, 1, 0]
