@@ -26,6 +26,7 @@ from poecaps.errors import InputError
 DATASETS = ("mnist", "fashion_mnist")
 SPLITS = ("train", "test")
 SOURCES = ("idx", "system", "tfds")
+CLASSES = 10        # of each dataset: digits, and Fashion-MNIST's ten kinds of garment
 SYSTEM_DIRS = {
     "fashion_mnist": ["/usr/share/datasets/fashion-mnist"],
     "mnist": ["/usr/share/datasets/mnist"],
@@ -85,6 +86,11 @@ def _from_idx_dir(directory, split):
                         f"labels [N]. Received: shapes {images.shape} and {labels.shape}")
     if len(images) != len(labels):
         raise DataError(f"{directory}: {len(images)} images but {len(labels)} labels")
+    if len(labels) == 0:
+        raise DataError(f"{directory}: {images_name} and {labels_name} hold no examples")
+    if labels.max() >= CLASSES:
+        raise DataError(f"{directory}: {labels_name} must hold labels 0 to {CLASSES - 1}. Received: labels up to "
+                        f"{labels.max()} (a corrupted or foreign file)")
     if images.ndim == 3:
         images = images[..., None]
     return images, labels

@@ -70,6 +70,19 @@ def test_idx_files_of_the_wrong_rank_are_a_clear_error(idx_dir, images, labels):
         data.load_arrays("mnist", "train", data_dir=str(idx_dir), source="idx")
 
 
+def test_idx_labels_beyond_the_ten_classes_or_no_examples_are_a_clear_error(idx_dir):
+    """Before, a label of 200 (a corrupted or foreign labels file) loaded as a class of its own, and the
+    evaluation's reference classifier grew 201 outputs; an empty split loaded as zero examples."""
+    _write_idx(idx_dir / "train-labels-idx1-ubyte.gz", np.array([0, 1, 2, 200, 1, 2]))
+    with pytest.raises(data.DataError, match=r"train-labels-idx1-ubyte must hold labels 0 to 9\. Received: labels "
+                                             r"up to 200 \(a corrupted or foreign file\)$"):
+        data.load_arrays("mnist", "train", data_dir=str(idx_dir), source="idx")
+    _write_idx(idx_dir / "t10k-images-idx3-ubyte.gz", np.zeros((0, 5, 5)))
+    _write_idx(idx_dir / "t10k-labels-idx1-ubyte.gz", np.zeros(0))
+    with pytest.raises(data.DataError, match=r"t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte hold no examples$"):
+        data.load_arrays("mnist", "test", data_dir=str(idx_dir), source="idx")
+
+
 def test_corrupted_gzip_is_a_clear_error(idx_dir):
     (idx_dir / "train-images-idx3-ubyte.gz").write_bytes(b"not gzip at all")
     with pytest.raises(data.DataError, match="not a readable"):
