@@ -5,6 +5,7 @@ from keras import ops
 
 from poecaps.capsules import squash
 from poecaps.errors import InputError
+from poecaps.models.capsule_pipeline import CapsulePipeline
 from poecaps.validation import check_choice, check_integer, check_seed
 
 # Each domain's half of capsule space: the pipeline array that picks it (None: the whole space).
@@ -38,6 +39,8 @@ class CapsuleSampler:
     """
 
     def __init__(self, pipeline, seed=0):
+        if not isinstance(pipeline, CapsulePipeline):
+            raise InputError(f"pipeline must be a poecaps.models.CapsulePipeline. Received: {type(pipeline).__name__}")
         self.pipeline = pipeline
         self.seed = check_seed(seed)
 

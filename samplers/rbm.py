@@ -4,6 +4,7 @@ import numpy as np
 from keras import ops
 
 from poecaps.errors import InputError
+from poecaps.rbm import BernoulliRBM
 from poecaps.validation import check_image_shape, check_integer, check_seed
 
 
@@ -24,6 +25,8 @@ class RBMSampler:
     """
 
     def __init__(self, rbm, image_shape, seed=0):
+        if not isinstance(rbm, BernoulliRBM):
+            raise InputError(f"rbm must be a poecaps.rbm.BernoulliRBM. Received: {type(rbm).__name__}")
         self.rbm = rbm
         self.image_shape = check_image_shape(image_shape)
         self.seed = check_seed(seed)

@@ -38,6 +38,7 @@ from poecaps.layers import (
 )
 from poecaps.models import (
     CapsNet,
+    CapsulePipeline,
     GenerativeCapsules,
     MatrixCapsNet,
     ProbabilisticCapsuleAutoencoder,
@@ -321,7 +322,7 @@ SEEDS = [
     (lambda s: fit_resumable(_compiled_autoencoder(), _IMAGES, epochs=1, batch_size=4, seed=s, verbose=0), False),
     (lambda s: _capsule_model().generative.generate(2, seed=s), False),
     (lambda s: RBMSampler(BernoulliRBM(3), (2, 2, 1), seed=s), False),
-    (lambda s: CapsuleSampler(None, seed=s), False),
+    (lambda s: CapsuleSampler(CapsulePipeline(ConvAutoencoder(filters=4)), seed=s), False),
     (lambda s: _capsule_model().refine(_IMAGES[:2], steps=1, seed=s), False),
     (lambda s: _capsule_model().mean_bound(_IMAGES[:2], _capsule_model().variational_parameters(_IMAGES[:2]),
                                            draws=1, seed=s), False),

@@ -190,6 +190,17 @@ def test_rbm_sampler_refuses_an_rbm_without_weights():
         samplers.RBMSampler(BernoulliRBM(4, seed=0), (3, 2, 1)).sample(2)
 
 
+def test_samplers_refuse_a_model_of_another_kind(pipeline):
+    """Before, any object was taken, and the first draw failed with an AttributeError ('num_upper',
+    'num_hidden')."""
+    with pytest.raises(InputError, match=r"^pipeline must be a poecaps.models.CapsulePipeline. Received: NoneType$"):
+        samplers.CapsuleSampler(None)
+    with pytest.raises(InputError, match=r"^pipeline must be a poecaps.models.CapsulePipeline. Received: ConvAutoe"):
+        samplers.CapsuleSampler(pipeline.autoencoder)
+    with pytest.raises(InputError, match=r"^rbm must be a poecaps.rbm.BernoulliRBM. Received: CapsuleExperts$"):
+        samplers.RBMSampler(pipeline.encoder, (4, 4, 1))
+
+
 def test_unknown_sampler():
     with pytest.raises(InputError, match="name='gibbs'"):
         samplers.get("gibbs")
