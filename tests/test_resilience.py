@@ -346,6 +346,36 @@ def test_checkpoint_from_another_configuration_is_refused(tmp_path, capsules):
                       verbose=0)
 
 
+@pytest.mark.parametrize("change", [{"batch_size": 6}, {"seed": 1}, {"examples": 40}])
+def test_resuming_inside_an_epoch_with_another_batch_order_is_refused_before_any_weight_moves(tmp_path, capsules,
+                                                                                          change):
+    """The rest of an interrupted epoch is the batches after its step in the epoch's order. Before, a run resumed
+    with another batch size, seed or number of examples went on over another cut of the data (some examples
+    twice, others never) without a word. An epoch's end resumes with any of them (the next epoch is whole)."""
+    recorded = {"batch_size": 8, "seed": 0, "examples": 48}
+    settings = {**recorded, **change}
+    stopped = _capsule_trainer()
+    fit_resumable(stopped, capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path), save_every=2,
+                  verbose=0)
+    written = CheckpointManager(str(tmp_path)).paths()
+    os.remove(written[0])                                      # the epoch's end: the newest left is step 4 of 6
+    resumed = _capsule_trainer(seed=5)
+    before = _weights(resumed)
+    (name, value), = change.items()
+    message = re.escape(f"ckpt-000000004.npz stopped inside epoch 1 (step 4), whose remaining batches the examples, "
+                        f"batch size and seed fix; they changed ({name}: checkpoint {recorded[name]}, now {value})")
+    with pytest.raises(CheckpointError, match=message):
+        fit_resumable(resumed, capsules[:settings["examples"]], epochs=2, batch_size=settings["batch_size"],
+                      seed=settings["seed"], checkpoint_dir=str(tmp_path), save_every=2, resume=True, verbose=0)
+    for a, b in zip(before, _weights(resumed)):                # refused before the checkpoint was restored
+        np.testing.assert_array_equal(a, b)
+    # the same order resumes; and from an epoch's end, another one does too
+    fit_resumable(resumed, capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path), save_every=2,
+                  resume=True, verbose=0)
+    fit_resumable(resumed, capsules[:settings["examples"]], epochs=2, batch_size=settings["batch_size"],
+                  seed=settings["seed"], checkpoint_dir=str(tmp_path), resume=True, verbose=0)
+
+
 def test_no_temporary_file_is_left_and_only_the_newest_are_kept(tmp_path, capsules):
     trainer = _capsule_trainer()
     fit_resumable(trainer, capsules, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path),

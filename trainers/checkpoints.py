@@ -141,12 +141,13 @@ class CheckpointManager:
                 f"{path} holds variables of other dtypes ({detail}). Resume under the dtype policy it was trained "
                 "with (keras.config.set_floatx and set_dtype_policy) or start a new run directory.")
 
-    def restore(self, trainer):
+    def restore(self, trainer, check=None):
         """Load the newest good checkpoint into `trainer`; returns its header, or None if none exist.
 
         Damaged checkpoints are skipped with a message naming them; a
         checkpoint from another configuration, or whose variables differ from
-        the trainer's in number, shape or dtype, raises `CheckpointError`.
+        the trainer's in number, shape or dtype, raises `CheckpointError`, as
+        may `check(path, header)`, called before any variable is assigned.
         """
         variables = trainer_state(trainer)
         paths = self.paths()
@@ -162,6 +163,8 @@ class CheckpointManager:
                             else "no earlier checkpoint is left, starting from scratch"))
                 continue
             self._check_compatible(path, header, variables, arrays)
+            if check is not None:
+                check(path, header)
             for variable, array in zip(variables, arrays):
                 variable.assign(array)
             self.log(f"Resumed from {path} (epoch {header['epoch'] + 1}, step {header['step']}, "

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from poecaps.errors import InputError
+from poecaps.errors import CheckpointError, InputError
 from poecaps.trainers import NAN_POLICIES
 from poecaps.trainers.base import Trainer
 from poecaps.trainers.batch import check_batch
@@ -98,12 +98,13 @@ class StepCheckpoint(keras.callbacks.Callback):
     Keras calls back after each `steps_per_execution` steps (`compile`), with
     the index of the last one; a checkpoint is written after every call whose
     steps reached a multiple of `every`, so with `steps_per_execution > every`
-    at every call.
+    at every call. `extra` (JSON-able) goes into every checkpoint's header.
     """
 
-    def __init__(self, manager, steps_per_epoch, every=0, start_step=0):
+    def __init__(self, manager, steps_per_epoch, every=0, start_step=0, extra=None):
         super().__init__()
         self.manager = manager
+        self.extra = extra
         self.steps_per_epoch = steps_per_epoch
         self.every = every
         self.start_step = start_step
@@ -120,11 +121,11 @@ class StepCheckpoint(keras.callbacks.Callback):
         crossed = self.every and global_step // self.every > self.done // self.every
         self.done = global_step
         if crossed and step < self.steps_per_epoch:
-            self.manager.save(self.model, self.epoch, step, global_step)
+            self.manager.save(self.model, self.epoch, step, global_step, self.extra)
 
     def on_epoch_end(self, epoch, logs=None):
         self.start_step = 0
-        self.manager.save(self.model, epoch + 1, 0, (epoch + 1) * self.steps_per_epoch)
+        self.manager.save(self.model, epoch + 1, 0, (epoch + 1) * self.steps_per_epoch, self.extra)
 
 
 class KeepTrainedWeights(keras.callbacks.Callback):
@@ -191,6 +192,25 @@ def _silenced(callbacks, hook):
                 setattr(callback, hook, method)
 
 
+def _check_same_order(path, header, order):
+    """Refuse to resume inside an epoch with batches in another order than the checkpoint's (`CheckpointError`).
+
+    The rest of an interrupted epoch is the batches after the checkpoint's step in the epoch's order, which the
+    number of examples, the batch size and the seed fix: with any of them changed, the epoch would go on over
+    another cut of the data, some examples twice and others never. A checkpoint at an epoch's end, or one that
+    recorded no order (written before it was recorded), resumes as it is.
+    """
+    recorded = header.get("extra", {}).get("batch_order")
+    if header["step"] == 0 or recorded is None or recorded == order:
+        return
+    changed = ", ".join(f"{k}: checkpoint {recorded.get(k)!r}, now {v!r}" for k, v in order.items()
+                        if recorded.get(k) != v)
+    raise CheckpointError(f"{path} stopped inside epoch {header['epoch'] + 1} "
+                          f"(step {header['step']}), whose remaining batches the examples, batch size and seed fix; "
+                          f"they changed ({changed}). Resume with the same data, batch_size and seed, or start over "
+                          "(resume=False).")
+
+
 def _merge(history, more):
     for key, values in more.history.items():
         history.setdefault(key, []).extend(values)
@@ -209,7 +229,8 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         seed: seed of the batch orders.
         checkpoint_dir: folder of the checkpoints, or None for none.
         checkpoint_config: settings a resumed run must share (see `CheckpointManager`).
-        resume: go on from the newest good checkpoint (else start over and clear them).
+        resume: go on from the newest good checkpoint (else start over and clear them); from one inside an
+            epoch only with the same number of examples, batch_size and seed (`CheckpointError` otherwise).
         save_every: also checkpoint every this many steps (0: only at epoch ends).
         on_nan: "stop", "reduce-lr" or "off" (see `NonFiniteGuard`).
         fault_log: JSON-lines file for NaN events.
@@ -253,12 +274,14 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         if not trainer.optimizer.built:
             trainer.optimizer.build(trainer.trainable_variables)
     steps_per_epoch = -(-len(x) // batch_size)
+    # what fixes the order of the batches: a run resumed inside an epoch goes on with the batches after `step`
+    order = {"examples": len(x), "batch_size": batch_size, "seed": seed}
     epoch, start = 0, 0
     manager = None
     if checkpoint_dir is not None:
         manager = CheckpointManager(checkpoint_dir, config=checkpoint_config)
         if resume:
-            header = manager.restore(trainer)
+            header = manager.restore(trainer, check=lambda path, header: _check_same_order(path, header, order))
             if header is not None:
                 epoch, start = header["epoch"], header["step"]
         else:
@@ -271,7 +294,8 @@ def fit_resumable(trainer, x, y=None, *, epochs, batch_size, seed, checkpoint_di
         trainer.optimizer.finalize_variable_values(trainer.trainable_weights)
         return history
     guard = [] if on_nan == "off" else [NonFiniteGuard(on_nan, fault_log)]
-    checkpoint = [] if manager is None else [StepCheckpoint(manager, steps_per_epoch, save_every, start)]
+    checkpoint = [] if manager is None else [StepCheckpoint(manager, steps_per_epoch, save_every, start,
+                                                            {"batch_order": order})]
     all_callbacks = guard + list(callbacks) + checkpoint
     def run(data, last_epoch, more=()):
         _merge(history, trainer.fit(data, initial_epoch=data.epoch, epochs=last_epoch, shuffle=False,
