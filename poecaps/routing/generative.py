@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from poecaps import distribute, vmf
 from poecaps.errors import InputError
-from poecaps.routing.base import Routing, RoutingResult
-from poecaps.validation import check_number
+from poecaps.routing.base import Routing, RoutingResult, check_activations
+from poecaps.validation import check_number, shape_fits, sizes_fit
 
 _TINY = 1e-9
 
@@ -134,8 +134,25 @@ class GenerativeRouting(Routing):
         return tf.nn.softmax(params["log_pi"] + self.log_likelihoods(lengths, units, v, params), axis=-1)
 
     def log_joint(self, votes, v, r, activations=None):
-        """The bound `L(v, r)` `[B]`."""
+        """The bound `L(v, r)` `[B]` of the built router, for votes `[B, I, J, D]`, parents `v [B, J, D]`, a
+        posterior `r [B, I, J]` and activations `[B, I]` (None: ones); other shapes are an `InputError`."""
+        if not self.built:
+            raise InputError(f"{type(self).__name__} {self.name!r} has no weights yet; call it on votes first.")
         votes = tf.convert_to_tensor(votes)
+        v, r = tf.cast(v, votes.dtype), tf.cast(r, votes.dtype)
+        shape = tuple(votes.shape)
+        if len(shape) != 4 or not sizes_fit(shape[2], self.log_kappa.shape[0]):
+            raise InputError(f"{type(self).__name__}: votes must be [B, I, J, D] with J = {self.log_kappa.shape[0]}, "
+                             f"its parents. Received: votes of shape {list(shape)}")
+        self._check_pose_size(shape)
+        for name, value, expected, axes in (("v", v, (shape[0], shape[2], shape[3]), "[B, J, D]"),
+                                             ("r", r, shape[:3], "[B, I, J]")):
+            if not shape_fits(tuple(value.shape), expected):
+                raise InputError(f"{type(self).__name__}: {name} must be {axes} = {list(expected)} for votes of shape "
+                                 f"{list(shape)}. Received: {name} of shape {list(value.shape)}")
+        if activations is not None:
+            activations = tf.convert_to_tensor(activations)
+            check_activations(self, shape, tuple(activations.shape))
         params = self.parameters(votes.shape[-1], votes.dtype)
         a = tf.ones(tf.shape(votes)[:2], votes.dtype) if activations is None else tf.cast(activations, votes.dtype)
         per_child = tf.reduce_sum(r * (params["log_pi"] + self.log_likelihoods(*self._polar(votes), v, params)
