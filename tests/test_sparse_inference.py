@@ -155,6 +155,15 @@ def test_the_routers_inference_refuses_targets_weights_and_activations_that_do_n
     for use in (router.infer, router.prediction):
         with pytest.raises(InputError, match=message):
             use(votes, np.ones((2, 7), "float32"))
+    # Called directly, not through the layer, they check the votes' rank as Keras' input spec does, and take
+    # lists as arrays (before: 'Invalid reduction dimension' inside TensorFlow, and "'list' object has no
+    # attribute 'shape'")
+    for use in (router.infer, router.prediction):
+        with pytest.raises(InputError, match=re.escape("SparseInferenceRouting: votes must be [B, I, J, D]. "
+                                                       "Received: votes of shape [6, 3, 4]")):
+            use(votes[0])
+    found = router.infer(votes.tolist(), activations=np.ones((2, 6)).tolist(), targets=targets.tolist())[0]
+    np.testing.assert_array_equal(found, router.infer(votes, np.ones((2, 6), "float32"), targets)[0])
 
 
 def _tiny_capsnet():

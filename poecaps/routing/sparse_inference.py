@@ -65,8 +65,17 @@ class SparseInferenceRouting(Routing):
         return self.normalize
 
     def prediction(self, votes, activations=None):
-        """`(p [B, J, D], c0 [B, I, J])`: the feed-forward parents with uniform coefficients."""
+        """`(p [B, J, D], c0 [B, I, J])`: the feed-forward parents with uniform coefficients.
+
+        Called directly (as `infer` does), not through the layer, it checks what Keras' input spec would: votes of
+        rank 4, arrays or tensors alike.
+        """
+        votes = ops.convert_to_tensor(votes)
+        if len(votes.shape) != 4:
+            raise InputError(f"{type(self).__name__}: votes must be [B, I, J, D]. Received: votes of shape "
+                             f"{list(votes.shape)}")
         if activations is not None:
+            activations = ops.convert_to_tensor(activations)
             check_activations(self, votes.shape, activations.shape)
         votes = ops.cast(votes, distribute.full_precision_dtype(votes))
         num_in, num_out = votes.shape[1], votes.shape[2]
@@ -77,8 +86,10 @@ class SparseInferenceRouting(Routing):
     def infer(self, votes, activations=None, targets=None, label_weight=1.0):
         """`(v [B, J, D], energies [iterations + 1, B])`; `targets` `[B, J]` (e.g. one-hot) clamp the lengths
         with the weight `label_weight` (>= 0)."""
+        votes = ops.convert_to_tensor(votes)
         if targets is not None:
             label_weight = check_number(label_weight, "label_weight", minimum=0)
+            targets = ops.convert_to_tensor(targets)
             shape, expected = tuple(targets.shape), tuple(votes.shape[:1]) + tuple(votes.shape[2:3])
             if not shape_fits(shape, expected):
                 raise InputError(f"targets must be [B, J] = {list(expected)}, one length per parent. Received: "
