@@ -34,10 +34,16 @@ def mosaic(images, gap=2, fill=1.0):
 
 
 def image_grid(images, path, title=None, column_labels=None, row_labels=None):
-    """Save `images [rows, cols, H, W, C]` as one grid PNG (one image drawn: `mosaic`, then labels)."""
+    """Save `images [rows, cols, H, W, C]` as one grid PNG (one image drawn: `mosaic`, then labels): one column
+    label per column and one row label per row, if given."""
     gap = 2
     tiled = mosaic(images, gap)
     rows, cols, height, width = np.shape(images)[:4]
+    for name, labels, count in (("column_labels", column_labels, cols), ("row_labels", row_labels, rows)):
+        given = None if labels is None else len(list(labels))
+        if given is not None and given != count:
+            raise InputError(f"{name} must hold one label per {name.split('_')[0]}, {count}. Received: {given} "
+                             f"label{'' if given == 1 else 's'}")
     fig, ax = plt.subplots(figsize=(cols * 0.8, rows * 0.8 + 0.4))
     ax.imshow(tiled[..., 0] if tiled.shape[-1] == 1 else tiled, cmap="gray", vmin=0, vmax=1,
               interpolation="nearest")

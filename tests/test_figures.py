@@ -47,6 +47,17 @@ def test_mosaic_refuses_gaps_fills_and_grids_it_cannot_draw(images, settings, me
         figures.mosaic(np.zeros(images, "float32"), **settings)
 
 
+def test_image_grid_takes_one_label_per_column_and_row(tmp_path):
+    """Before, Matplotlib refused another count ('The number of FixedLocator locations (3) ... does not match the
+    number of labels (2)') after the figure was made, which stayed open."""
+    images = np.zeros((2, 3, 4, 4, 1))
+    with pytest.raises(InputError, match=r"^column_labels must hold one label per column, 3\. Received: 2 labels$"):
+        figures.image_grid(images, tmp_path / "a.png", column_labels=range(2))
+    with pytest.raises(InputError, match=r"^row_labels must hold one label per row, 2\. Received: 1 label$"):
+        figures.image_grid(images, tmp_path / "a.png", row_labels=["a"])
+    assert not (tmp_path / "a.png").exists()
+
+
 def test_image_grid_writes_a_png_of_its_figure_size(tmp_path):
     images = np.random.default_rng(0).uniform(size=(3, 5, 28, 28, 1))
     path = tmp_path / "grid.png"
