@@ -68,6 +68,36 @@ def test_capsnet_tiny_fit_and_loss_terms(rng, reconstruction):
     np.testing.assert_allclose(history["loss"], expected, rtol=1e-4)
 
 
+def _tiny_routing_capsnet():
+    return RoutingCapsNet((17, 17, 1), 3, routing="dynamic", filters=4, primary_types=2, conv_types=2,
+                          loss="spread", seed=0)
+
+
+@pytest.mark.parametrize("make, image_shape", [(_tiny_capsnet, (14, 14, 3)), (_tiny_em, (20, 20, 1)),
+                                               (_tiny_routing_capsnet, (17, 17, 1))])
+def test_loss_terms_take_one_class_index_per_image(rng, make, image_shape):
+    """Before, in the matrix and routing networks a label past the classes (or -1) was read as no class at all
+    (an all-zero one-hot: no target, every class pushed down), 0.5 was cast to class 0, one label too many
+    failed inside TensorFlow's broadcasting, and a NaN or negative step moved the spread loss's margin to NaN or
+    below its start without a word; CapsNet named its labels 'classes' (its decoder's mask)."""
+    network = make()
+    k = network.num_classes
+    images = rng.uniform(size=(2, *image_shape)).astype("float32")
+    assert np.isfinite(float(network.loss_terms(images, np.array([0, k - 1]), step=3)[0]))
+    refused = [
+        ({"labels": np.array([0, k])}, rf"^labels must lie in \[0, {k}\)\. Received: 0 to {k}$"),
+        ({"labels": np.array([-1, 0])}, rf"^labels must lie in \[0, {k}\)\. Received: -1 to 0$"),
+        ({"labels": np.array([0.5, 0.0])}, r"^labels must be integers\. Received: dtype float64$"),
+        ({"labels": np.array([0, 1, 1])}, r"^labels must be one class per image, shape \[2\]\. Received: shape=\(3,\)$"),
+        ({"labels": np.eye(k)[[0, 1]]}, rf"^labels must be one class per image, shape \[2\]\. Received: shape=\(2, {k}\)$"),
+        ({"labels": [0, 1], "step": float("nan")}, r"^step must be a finite number >= 0\. Received: step=nan$"),
+        ({"labels": [0, 1], "step": -1}, r"^step must be a finite number >= 0\. Received: step=-1$"),
+    ]
+    for arguments, message in refused:
+        with pytest.raises(InputError, match=message):
+            network.loss_terms(images, **arguments)
+
+
 def test_em_shapes_and_tiny_fit(rng):
     network = _tiny_em()
     x = rng.uniform(size=(8, 20, 20, 1)).astype("float32")

@@ -1,6 +1,7 @@
 """CapsNet with dynamic routing (Sabour, Frosst and Hinton 2017) on poecaps' layers."""
 
 import math
+import numbers
 
 import keras
 import numpy as np
@@ -43,6 +44,25 @@ def check_classifier_arguments(image_shape, num_classes, convolutions=()):
                          f"{tuple(convolutions)} need at least {side} x {side} pixels. "
                          f"Received: image_shape={image_shape}")
     return image_shape, num_classes
+
+
+def check_loss_inputs(model, images, labels, step=None):
+    """`labels` of a classifier's `loss_terms`, `[B]` class indices for images `[B, ...]`, or an `InputError`.
+
+    Shapes are checked always, the labels' dtype and values when run eagerly (in a traced training step they
+    are the labels the trainer checked), as is a `step` given as a Python number (>= 0, finite). An index past
+    the classes would otherwise be read as a label of no class (an all-zero one-hot).
+    """
+    labels = np.asarray(labels) if isinstance(labels, (list, tuple)) else labels
+    batch = images.shape[0]
+    if len(labels.shape) != 1 or not sizes_fit(labels.shape[0], batch):
+        raise InputError(f"labels must be one class per image, shape [{batch}]. Received: shape="
+                         f"{tuple(labels.shape)}")
+    if tf.executing_eagerly():
+        check_labels(np.asarray(labels), model.num_classes, labels.shape[0])
+    if isinstance(step, (numbers.Number, str)):     # a Python or NumPy number; a tensor or variable is the trainer's
+        check_number(step, "step", minimum=0)
+    return labels
 
 
 @keras.saving.register_keras_serializable(package="poecaps")
@@ -169,8 +189,11 @@ class CapsNet(keras.Model):
         return outputs
 
     def loss_terms(self, images, labels, training=False, step=None):
-        """`(total, scores [B, K], {term: batch mean})`: the margin loss plus the weighted reconstruction."""
+        """`(total, scores [B, K], {term: batch mean})`: the margin loss plus the weighted reconstruction.
+
+        `labels`: `[B]` class indices (`check_loss_inputs`); `step` is unused."""
         result = self.encode(images, training)
+        labels = check_loss_inputs(self, images, labels, step)
         margin = ops.mean(losses.margin_loss(labels, result.activations))
         terms = {"margin_loss": margin}
         total = margin

@@ -6,7 +6,7 @@ from keras import ops
 from poecaps import distribute, losses
 from poecaps.initializers import NearIdentity
 from poecaps.layers import ClassCapsules, ConvCapsules, PrimaryMatrixCapsules
-from poecaps.models.capsnet import check_classifier_arguments
+from poecaps.models.capsnet import check_classifier_arguments, check_loss_inputs
 from poecaps.routing import EMRouting
 from poecaps.validation import check_flag, check_image_batch, check_integer, check_integers
 
@@ -113,8 +113,10 @@ class MatrixCapsNet(keras.Model):
                 "coefficients": result.coefficients}
 
     def loss_terms(self, images, labels, training=False, step=None):
-        """`(spread loss, scores [B, K], {spread_loss, margin})`; the margin at training `step` (None: final)."""
+        """`(spread loss, scores [B, K], {spread_loss, margin})`; the margin at training `step` (None: final);
+        `labels` `[B]` class indices (`check_loss_inputs`)."""
         result = self.encode(images, training)
+        labels = check_loss_inputs(self, images, labels, step)
         margin = losses.spread_margin(self.margin_steps if step is None else step, self.margin_steps)
         spread = ops.mean(losses.spread_loss(labels, result.activations, margin))
         return spread, result.activations, {"spread_loss": spread, "margin": margin}

@@ -10,7 +10,7 @@ from poecaps import routing as routing_lib
 from poecaps.errors import InputError
 from poecaps.initializers import NearIdentity
 from poecaps.layers import CapsuleDense, ConvCapsules, PrimaryMatrixCapsules
-from poecaps.models.capsnet import check_classifier_arguments
+from poecaps.models.capsnet import check_classifier_arguments, check_loss_inputs
 from poecaps.validation import (
     check_choice,
     check_image_batch,
@@ -211,8 +211,10 @@ class RoutingCapsNet(keras.Model):
         return {"scores": result.activations, "poses": result.poses, "coefficients": result.coefficients}
 
     def loss_terms(self, images, labels, training=False, step=None):
-        """`(loss, scores [B, K], {term: value})` of the chosen loss on a batch."""
+        """`(loss, scores [B, K], {term: value})` of the chosen loss on a batch: `labels` `[B]` class indices,
+        `step` the training step of the spread loss's margin (`check_loss_inputs`; None: the final margin)."""
         result = self.encode(images, training)
+        labels = check_loss_inputs(self, images, labels, step)
         scores = ops.cast(result.activations, distribute.full_precision_dtype(result.activations))
         if self.loss == "spread":
             margin = losses.spread_margin(self.margin_steps if step is None else step, self.margin_steps)
