@@ -9,7 +9,7 @@ _REGISTRY = {"capsule": CapsuleSampler, "rbm": RBMSampler}
 
 def get(name, **kwargs):
     """`poecaps.samplers.get("capsule", pipeline=...)` -> a sampler object."""
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise InputError(f"Unknown sampler; expected one of {sorted(_REGISTRY)}. Received: name={name!r}")
     return _REGISTRY[name](**kwargs)
 

@@ -206,6 +206,20 @@ def test_get_refuses_settings_it_would_ignore(identifier, kwargs, message):
     assert routing.get("uniform", iterations=1).iterations == 1
 
 
+def test_get_refuses_a_config_that_is_not_a_router_s():
+    """Before, a config of another layer gave that layer (a Dense as the router), one without a class gave the
+    dict back, and a class Keras cannot find failed in Keras' TypeError."""
+    refused = [
+        (keras.saving.serialize_keras_object(keras.layers.Dense(3)),
+         r"^A routing config must describe a poecaps Routing\. Received: a config of 'Dense', which gave a Dense$"),
+        ({"config": {"iterations": 2}}, r"Received: a config of 'no class_name', which gave a dict$"),
+        ({"class_name": "Nope", "config": {}}, r"^The routing config could not be read: Could not locate class 'Nope'"),
+    ]
+    for config, message in refused:
+        with pytest.raises(InputError, match=message):
+            routing.get(config)
+
+
 def test_config_round_trip_with_non_default_arguments():
     layer = DynamicRouting(iterations=5, agreement="cosine", normalize="children", name="r")
     clone = DynamicRouting.from_config(layer.get_config())

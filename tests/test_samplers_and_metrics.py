@@ -204,6 +204,8 @@ def test_samplers_refuse_a_model_of_another_kind(pipeline):
 def test_unknown_sampler():
     with pytest.raises(InputError, match="name='gibbs'"):
         samplers.get("gibbs")
+    with pytest.raises(InputError, match=r"name=\['rbm'\]$"):       # before: TypeError, unhashable list
+        samplers.get(["rbm"])
 
 
 def test_sampler_rejects_zero_rows(pipeline):

@@ -62,7 +62,14 @@ def get(identifier, dtype=None, **kwargs):
     if isinstance(identifier, dict):
         if dtype is not None and "dtype" not in identifier.get("config", {}):
             identifier = {**identifier, "config": {**identifier.get("config", {}), "dtype": dtype}}
-        return keras.saving.deserialize_keras_object(identifier)
+        try:
+            found = keras.saving.deserialize_keras_object(identifier)
+        except (TypeError, ValueError) as error:        # Keras' words for a class it cannot find or build
+            raise InputError(f"The routing config could not be read: {error}") from None
+        if not isinstance(found, Routing):
+            raise InputError(f"A routing config must describe a poecaps Routing. Received: a config of "
+                             f"{identifier.get('class_name', 'no class_name')!r}, which gave a {type(found).__name__}")
+        return found
     if isinstance(identifier, str) and identifier.lower() in _REGISTRY:
         return _REGISTRY[identifier.lower()](**kwargs, **({} if dtype is None else {"dtype": dtype}))
     raise InputError(
