@@ -38,3 +38,17 @@ def test_reconstruction_loss_is_summed_squared_error():
     x = np.zeros((2, 2, 2, 1), "float32")
     y = np.full((2, 2, 2, 1), 0.5, "float32")
     np.testing.assert_allclose(ops.convert_to_numpy(losses.reconstruction_loss(x, y)), [1.0, 1.0])
+
+
+def test_softmax_cross_entropy_is_scipys_negative_log_softmax_even_for_large_logits():
+    """-log softmax(logits)[label] against scipy, float64; the logits of the second row differ by 1000, whose
+    exponentials overflow unless the log-sum-exp is shifted (the loss is then exactly 0 and 1000)."""
+    from scipy.special import log_softmax
+
+    logits = np.array([[0.3, -1.2, 2.0, 0.0], [1000.0, 0.0, 0.0, 0.0], [1000.0, 0.0, 0.0, 0.0]])
+    labels = np.array([1, 0, 1])
+    expected = -log_softmax(logits, axis=-1)[np.arange(3), labels]
+    found = ops.convert_to_numpy(losses.softmax_cross_entropy(labels, logits))
+    np.testing.assert_allclose(found, expected, rtol=1e-14, atol=0)
+    assert found[1] == 0.0 and found[2] == 1000.0
+    np.testing.assert_array_equal(ops.convert_to_numpy(losses.softmax_cross_entropy(np.eye(4)[labels], logits)), found)
