@@ -13,7 +13,7 @@ from poecaps import distribute, energy
 from poecaps.capsules import squash, unsquash
 from poecaps.errors import InputError
 from poecaps.layers.capsule_dense import CapsuleDense, check_capsule_inputs
-from poecaps.validation import check_choice, check_integer, check_number
+from poecaps.validation import check_choice, check_integer, check_number, shape_fits
 
 # Rules of the capsule decoder, trained on (upper, lower) pairs (`CapsuleExperts.decoder_gradients`).
 DECODER_RULES = ("section41", "delta")
@@ -126,13 +126,24 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
     def coefficients(self, x):
         return ops.stop_gradient(self.route(x).coefficients)
 
-    def free_energy(self, x, c=None):
+    def _coefficients_for(self, x, c):
+        """The routing's coefficients of `x`, or `c` if given: `[B, I, J]` for visible capsules `[B, I, D_in]`
+        (another shape, even one that broadcasts, is an `InputError`)."""
         self._check_visible(x)
-        return energy.free_energy(x, self.kernel, self.coefficients(x) if c is None else c)
+        if c is None:
+            return self.coefficients(x)
+        c = ops.convert_to_tensor(c)
+        expected = (x.shape[0], self.kernel.shape[0], self.num_capsules)
+        if not shape_fits(tuple(c.shape), expected):
+            raise InputError(f"{self.name}: c must be the coefficients [B, I, J] = {list(expected)} of the visible "
+                             f"capsules. Received: c of shape {list(c.shape)}")
+        return c
+
+    def free_energy(self, x, c=None):
+        return energy.free_energy(x, self.kernel, self._coefficients_for(x, c))
 
     def p_on(self, x, c=None):
-        self._check_visible(x)
-        return energy.p_on(x, self.kernel, self.coefficients(x) if c is None else c)
+        return energy.p_on(x, self.kernel, self._coefficients_for(x, c))
 
     def reconstruct(self, x, steps=1):
         self._check_visible(x)

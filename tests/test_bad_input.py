@@ -130,6 +130,21 @@ def test_bad_visible_units_for_cd():
         fit_resumable(trainer, np.zeros((3, 5, 8), "float32"), epochs=1, batch_size=2, seed=0, verbose=0)
 
 
+def test_capsule_experts_take_coefficients_of_their_visible_capsules():
+    """`free_energy(x, c)` and `p_on(x, c)` with coefficients given: before, c [1, I, J] was broadcast over the
+    batch without a word and other shapes failed in Keras' words ('Dimensions 1 and 3 are not compatible')."""
+    layer = CapsuleExperts(3, 4)
+    x = np.random.default_rng(0).normal(size=(2, 5, 2)).astype("float32")
+    layer(x)
+    uniform = np.full((2, 5, 3), 1 / 3, "float32")
+    assert layer.free_energy(x, uniform).shape == (2,) and layer.p_on(x, uniform).shape == (2, 3)
+    for shape in [(1, 5, 3), (2, 5, 1), (2, 5, 4), (5, 3)]:
+        for use in (layer.free_energy, layer.p_on):
+            with pytest.raises(InputError, match=re.escape(f"c must be the coefficients [B, I, J] = [2, 5, 3] of the "
+                                                           f"visible capsules. Received: c of shape {list(shape)}")):
+                use(x, np.full(shape, 0.25, "float32"))
+
+
 def _write_idx(directory, images, labels, image_bytes=None, magic=2051):
     os.makedirs(directory, exist_ok=True)
     n, h, w = images.shape
