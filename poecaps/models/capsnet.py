@@ -60,7 +60,7 @@ def check_loss_inputs(model, images, labels, step=None):
                          f"{tuple(labels.shape)}")
     if tf.executing_eagerly():
         check_labels(np.asarray(labels), model.num_classes, labels.shape[0])
-    if isinstance(step, (numbers.Number, str)):     # a Python or NumPy number; a tensor or variable is the trainer's
+    if isinstance(step, (numbers.Number, str)):     # given by hand; a tensor or variable is the trainer's counter
         check_number(step, "step", minimum=0)
     return labels
 
@@ -191,7 +191,8 @@ class CapsNet(keras.Model):
     def loss_terms(self, images, labels, training=False, step=None):
         """`(total, scores [B, K], {term: batch mean})`: the margin loss plus the weighted reconstruction.
 
-        `labels`: `[B]` class indices (`check_loss_inputs`); `step` is unused."""
+        `labels`: `[B]` class indices (`check_loss_inputs`); `step`, checked as the other networks' is, is
+        unused (the margin loss has no schedule)."""
         result = self.encode(images, training)
         labels = check_loss_inputs(self, images, labels, step)
         margin = ops.mean(losses.margin_loss(labels, result.activations))
