@@ -495,6 +495,23 @@ def test_nan_guard_compounds_the_reductions_and_stops_at_its_limit(tmp_path, cap
                       callbacks=[guard, _InjectNaN(1, 2, 3)], verbose=0)
 
 
+def test_checkpoint_config_is_checked_and_kept_as_its_header_gives_it_back(tmp_path, capsules):
+    """Before, a NumPy number or NaN in the config failed at the first save, after an epoch of training (or NaN
+    never equalled itself on resuming), and a tuple was refused on resuming, as the list its checkpoint read back
+    ('a: checkpoint [1, 2], now (1, 2)')."""
+    for config, message in [({"J": np.int64(20)}, "Object of type int64 is not JSON serializable"),
+                            ({"rate": float("nan")}, "Out of range float values are not JSON compliant"),
+                            ([("J", 20)], "config must be a dict of JSON-able settings. Received: list")]:
+        with pytest.raises(InputError, match=message):
+            CheckpointManager(str(tmp_path / "refused"), config=config)
+    trainer = _capsule_trainer()
+    fit_resumable(trainer, capsules, epochs=1, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "run"),
+                  checkpoint_config={"sizes": (3, 5)}, verbose=0)
+    fit_resumable(trainer, capsules, epochs=2, batch_size=8, seed=0, checkpoint_dir=str(tmp_path / "run"),
+                  checkpoint_config={"sizes": (3, 5)}, resume=True, verbose=0)
+    assert CheckpointManager(str(tmp_path / "run")).paths()[0].endswith("ckpt-000000012.npz")
+
+
 def test_scaled_schedule_round_trips_and_scales():
     schedule = ScaledSchedule(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5), scale=0.5)
     np.testing.assert_allclose(float(schedule(10)), 0.025, rtol=1e-6)

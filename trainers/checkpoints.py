@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from poecaps.errors import CheckpointError
+from poecaps.errors import CheckpointError, InputError
 from poecaps.trainers.schedule import learning_rate_scale
 from poecaps.validation import check_integer
 
@@ -56,6 +56,21 @@ def _value(variable):
     return np.asarray(value)
 
 
+def _as_json(config):
+    """`config` (a dict, or None: {}) as JSON gives it back, the form a checkpoint's header stores and a resumed
+    run compares with: tuples become lists. Another type, or values JSON cannot write exactly (NumPy numbers,
+    NaN, objects), are an `InputError` here, before any training (they failed at the first save, and a tuple
+    never equalled the list its checkpoint read back)."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise InputError(f"config must be a dict of JSON-able settings. Received: {type(config).__name__}")
+    try:
+        return json.loads(json.dumps(config, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise InputError(f"config must hold JSON-able settings (every checkpoint's header keeps them): {error}") from None
+
+
 class CheckpointManager:
     """Writes and restores checkpoints of a trainer in `directory`, keeping the newest `keep`.
 
@@ -75,7 +90,7 @@ class CheckpointManager:
     def __init__(self, directory, keep=3, config=None, log=print):
         self.directory = directory
         self.keep = check_integer(keep, "keep", minimum=2)
-        self.config = config or {}
+        self.config = _as_json(config)
         self.log = log
         os.makedirs(directory, exist_ok=True)
 
