@@ -477,6 +477,18 @@ def test_nan_guard_halves_the_learning_rate_and_continues(tmp_path, capsules):
     assert float(ops.convert_to_numpy(learning_rate_scale(trainer.optimizer))) == 0.25
 
 
+def test_nan_guard_writes_its_log_into_a_folder_it_makes_and_refuses_a_folder_as_the_log(tmp_path, capsules):
+    """Before, a log in a missing folder ended the run at the first event with FileNotFoundError, after the guard
+    had restored the state and halved the rate to go on; a folder as the log failed there with IsADirectoryError."""
+    trainer = _capsule_trainer()
+    log = tmp_path / "not" / "yet" / "faults.jsonl"
+    fit_resumable(trainer, capsules, epochs=1, batch_size=8, seed=0, on_nan="reduce-lr", fault_log=str(log),
+                  callbacks=[_InjectNaN(3)], verbose=0)
+    assert [json.loads(line)["action"] for line in log.read_text().splitlines()] == ["reduce-lr"]
+    with pytest.raises(InputError, match=r"^log_path must be a file for the NaN events, not a folder"):
+        NonFiniteGuard("stop", str(tmp_path))
+
+
 def test_nan_guard_compounds_the_reductions_and_stops_at_its_limit(tmp_path, capsules):
     """Failures at batches 1, 2, 3 in a row: the rate in effect halves each time (0.5, 0.25,
     0.125), though the state restored each time is the one from before batch 1."""

@@ -8,13 +8,14 @@ event is printed and appended to a JSON-lines log.
 """
 
 import json
+import os
 import time
 
 import keras
 import numpy as np
 from keras import ops
 
-from poecaps.errors import NonFiniteError
+from poecaps.errors import InputError, NonFiniteError
 from poecaps.trainers import NAN_POLICIES
 from poecaps.trainers.checkpoints import trainer_state
 from poecaps.trainers.schedule import lowerable_rate
@@ -42,7 +43,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
 
     Args:
         policy: "stop" or "reduce-lr".
-        log_path: JSON-lines file that receives one record per event, or None.
+        log_path: JSON-lines file that receives one record per event (its
+            folder made at the first), or None; not a folder.
         max_reductions: how many halvings "reduce-lr" may make in one run.
     """
 
@@ -50,6 +52,8 @@ class NonFiniteGuard(keras.callbacks.Callback):
         super().__init__()
         check_choice(policy, "policy", NAN_POLICIES[:2])
         self.policy = policy
+        if log_path is not None and os.path.isdir(log_path):
+            raise InputError(f"log_path must be a file for the NaN events, not a folder. Received: {log_path}")
         self.log_path = log_path
         self.max_reductions = check_integer(max_reductions, "max_reductions", minimum=0)
         self.log = log
@@ -95,6 +99,7 @@ class NonFiniteGuard(keras.callbacks.Callback):
             self._take_snapshot()
         self.events.append(event)
         if self.log_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
             with open(self.log_path, "a") as handle:
                 handle.write(json.dumps(event) + "\n")
         where = f"epoch {self._epoch + 1}, batch {batch + 1}"
