@@ -65,13 +65,14 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
         evaluation: a `BaselineEvaluationConfig`.
     """
     known = presets.routing_table()
-    if names is not None and (isinstance(names, str) or len(names) == 0):
-        raise InputError(f"names must be a list of the table's presets, or None for all of them. Received: {names!r}")
+    if names is not None and (not isinstance(names, (list, tuple)) or len(names) == 0):
+        raise InputError(f"rows must be a non-empty list of the table's presets, or None for all of them. Received: "
+                         f"{names!r}")
     names = list(known if names is None else names)
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if not isinstance(name, str) or name not in known]
     if unknown:
-        raise InputError(f"{', '.join(unknown)} is not a preset of the routing network; the table's presets "
-                         f"are {', '.join(known)}.")
+        raise InputError(f"{', '.join(map(str, unknown))} is not a preset of the routing network; the table's "
+                         f"presets are {', '.join(known)}.")
     settings = settings or {}
     configs = {name: with_values(presets.get("baseline", name), settings) for name in names}
     if os.path.exists(root) and not os.path.isdir(root):

@@ -160,9 +160,13 @@ def test_probabilistic_capsules_trains_resumes_and_evaluates(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("names, message", [
-    ("faria2019-em", r"names must be a list of the table's presets, or None.*Received: 'faria2019-em'$"),
-    ([], r"names must be a list.*Received: \[\]$"),
+    ("faria2019-em", r"rows must be a non-empty list of the table's presets, or None.*Received: 'faria2019-em'$"),
+    ([], r"rows must be a non-empty list.*Received: \[\]$"),
     (["faria2019-em", "nope"], r"^nope is not a preset of the routing network"),
+    # named by the argument the Python API and the script call them by; a number or an item that is not a name
+    # failed with TypeError ("object of type 'int' has no len()", "sequence item 0: expected str")
+    (5, r"^rows must be a non-empty list.*Received: 5$"),
+    ([["faria2019-em"]], r"^\['faria2019-em'\] is not a preset of the routing network"),
 ])
 def test_routing_table_refuses_rows_it_would_misread(tmp_path, names, message):
     """Before, an empty list trained every row of the table (as None does), and one name as a string was
