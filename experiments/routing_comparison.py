@@ -21,7 +21,7 @@ from poecaps.experiments import presets
 from poecaps.experiments.baseline_evaluation import evaluate_baseline
 from poecaps.experiments.baselines import train_baseline
 from poecaps.experiments.configs import BaselineEvaluationConfig
-from poecaps.experiments.runs import RunDir
+from poecaps.experiments.runs import RunDir, check_run_path
 from poecaps.experiments.settings import with_values
 
 HEADER = ("routing", "test accuracy", "affine", "rotated 45 / 90 / 180", "parameters: routing / other",
@@ -64,6 +64,7 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
         names: the presets to run (default: `presets.routing_table()`), in table order.
         evaluation: a `BaselineEvaluationConfig`.
     """
+    check_run_path(root, "The runs' root")
     known = presets.routing_table()
     if names is not None and (not isinstance(names, (list, tuple)) or len(names) == 0):
         raise InputError(f"rows must be a non-empty list of the table's presets, or None for all of them. Received: "

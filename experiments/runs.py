@@ -39,6 +39,13 @@ def spread_indices(count, size):
     return np.linspace(0, count - 1, min(size, count)).round().astype(int)
 
 
+def check_run_path(path, what="The run directory"):
+    """`path` if it is a non-empty path (a str or `os.PathLike`); else an `InputError` (os.path's TypeError)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise InputError(f"{what} must be a path (a str or os.PathLike, --run-dir). Received: {path!r}")
+    return path
+
+
 class RunDir:
     """Paths and small JSON files of one run directory.
 
@@ -54,6 +61,7 @@ class RunDir:
     def __init__(self, path, create=True):
         if not isinstance(create, bool) and create != "later":
             raise InputError(f'create must be True, False or "later". Received: {create!r}')
+        check_run_path(path)
         self.path = path
         self.models = os.path.join(path, "models")
         self.checkpoints = os.path.join(path, "checkpoints")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -116,6 +117,22 @@ def test_toy_routing_refuses_a_file_for_its_folder_before_running(tmp_path, monk
     path.write_text("")
     with pytest.raises(InputError, match=r"^The run directory .*a_file is a file; pass a folder \(--run-dir\)\.$"):
         api.toy_routing(str(path))
+
+
+@pytest.mark.parametrize("call", ["train", "sample", "evaluate", "baseline", "compare_routing", "sparse_inference",
+                                  "generative_capsules", "toy_routing", "load"])
+def test_every_api_function_refuses_a_run_directory_that_is_not_a_path(call):
+    """Before, a number or None failed inside os.path with TypeError ('expected str, bytes or os.PathLike
+    object'), and '' failed in os.makedirs, read as no run, or (`compare_routing`) began training the table's
+    first row into the working directory."""
+    from poecaps.errors import InputError
+    from poecaps.experiments import api
+
+    extra = ("rbm",) if call == "load" else ()
+    for path in (5, None, ""):
+        with pytest.raises(InputError, match=rf"must be a path \(a str or os.PathLike, --run-dir\)\. Received: "
+                                             rf"{re.escape(repr(path))}$"):
+            getattr(api, call)(path, *extra)
 
 
 def test_the_research_functions_defaults_are_their_configs():
