@@ -140,10 +140,12 @@ class CapsuleExperts(distribute.FullPrecision, CapsuleDense, EnergyModel):
         return c
 
     def free_energy(self, x, c=None):
-        return energy.free_energy(x, self.kernel, self._coefficients_for(x, c))
+        c = self._coefficients_for(x, c)          # first: it builds the layer on its first visible capsules
+        return energy.free_energy(x, self.kernel, c)
 
     def p_on(self, x, c=None):
-        return energy.p_on(x, self.kernel, self._coefficients_for(x, c))
+        c = self._coefficients_for(x, c)
+        return energy.p_on(x, self.kernel, c)
 
     def reconstruct(self, x, steps=1):
         self._check_visible(x)
