@@ -52,3 +52,49 @@ def test_softmax_cross_entropy_is_scipys_negative_log_softmax_even_for_large_log
     np.testing.assert_allclose(found, expected, rtol=1e-14, atol=0)
     assert found[1] == 0.0 and found[2] == 1000.0
     np.testing.assert_array_equal(ops.convert_to_numpy(losses.softmax_cross_entropy(np.eye(4)[labels], logits)), found)
+
+
+SCORES = np.array([[0.9, 0.2, 0.1], [0.3, 0.8, 0.4]], "float32")
+
+
+@pytest.mark.parametrize("loss", [
+    lambda labels: losses.margin_loss(labels, SCORES),
+    lambda labels: losses.spread_loss(labels, SCORES, 0.5),
+    lambda labels: losses.softmax_cross_entropy(labels, SCORES),
+], ids=["margin", "spread", "cross_entropy"])
+@pytest.mark.parametrize("labels, message", [
+    (np.array([0, 3]), r"\[0, 3\)"),                     # past the classes: was an all-zero one-hot (no class)
+    (np.array([0, -1]), r"\[0, 3\)"),                    # -1: likewise (a cross-entropy of 0)
+    (np.array([0.0, 1.7]), "integers"),                  # truncated to 1 before
+    (np.ones((2, 1), "float32"), r"\[B\] integer"),      # broadcast over the 3 classes before
+    (np.eye(3, dtype="float32")[[0]], r"\[B\] integer"),  # one row broadcast over the batch of 2 before
+    (np.array([0]), r"\[B\] integer"),                   # likewise, as a class
+    (np.array([[1, 0, 0], [0, 0, 0]], "float32"), "sum to 1"),   # a row of no class
+    (np.array([[1, 0, 0], [0, 2, -1]], "float32"), r"\[0, 1\]"),
+])
+def test_losses_refuse_labels_that_do_not_fit_the_scores(loss, labels, message):
+    """A label the losses cannot read as one class of the scores is an InputError; each was read as no class,
+    truncated or broadcast before. A softmax's soft row passes, within its rounding."""
+    with pytest.raises(ValueError, match=message):
+        loss(labels)
+    soft = ops.convert_to_numpy(ops.softmax(ops.convert_to_tensor(np.float32([[5, 1, -3], [0.1, 0.2, 0.3]]))))
+    assert np.all(np.isfinite(ops.convert_to_numpy(loss(soft))))
+
+
+def test_loss_settings_and_reconstruction_batches_are_checked():
+    """A setting that is not a finite number, a negative step or a batch of another size is an InputError (NaN
+    settings gave NaN losses, and a batch of one was broadcast against the other); other layouts of the same
+    values still pass."""
+    labels = np.array([0, 1])
+    for call in (lambda: losses.margin_loss(labels, SCORES, m_plus=float("nan")),
+                 lambda: losses.margin_loss(labels, SCORES, down_weight=-1.0),
+                 lambda: losses.spread_loss(labels, SCORES, "0.5"),
+                 lambda: losses.spread_margin(-1, 10),
+                 lambda: losses.spread_margin(0, float("inf")),
+                 lambda: losses.reconstruction_loss(np.zeros((1, 4)), np.zeros((3, 4))),
+                 lambda: losses.reconstruction_loss(np.zeros((2, 4)), np.zeros((2, 5)))):
+        with pytest.raises(ValueError):
+            call()
+    flat = ops.convert_to_numpy(losses.reconstruction_loss(np.zeros((2, 2, 2, 1)), np.full((2, 4), 0.5)))
+    np.testing.assert_allclose(flat, [1.0, 1.0])
+    assert float(losses.spread_margin(3, 0)) == pytest.approx(0.9)
