@@ -9,7 +9,7 @@ import math
 from keras import ops
 
 from poecaps.errors import InputError
-from poecaps.validation import check_integer
+from poecaps.validation import check_integer, check_setting
 
 EPSILON = 1e-7
 
@@ -57,8 +57,10 @@ def unsquash(x, axis=-1, max_length=1.0 - 1e-6):
     roundoff `u` (`1 - |x| = 1 / (1 + |z|^2)` is computed from `|x|`) and
     smallest normal number `tiny` (squares of the coordinates of `squash(z)`,
     of length `|z|^2`, that flush to zero): in float32 below 1e-6 for
-    `1e-7 <= |z| <= 1`, 2.4e-3 at `|z| = 100`. Unsquash of 0 is 0.
+    `1e-7 <= |z| <= 1`, 2.4e-3 at `|z| = 100`. Unsquash of 0 is 0. `max_length`
+    lies in (0, 1): 1 and beyond give infinite lengths, 0 and below zero ones.
     """
+    check_setting(max_length, "max_length", above=0, below=1)
     length_ = norm(x, axis=axis, keepdims=True)
     clipped = ops.minimum(length_, max_length)
     positive = length_ > 0

@@ -16,6 +16,7 @@ log space, the denominator by `logaddexp`.
 import tensorflow as tf
 
 from poecaps import distribute
+from poecaps.validation import check_setting
 
 # Draws are kept this far inside (0, 1) so that logarithms stay finite; `log_prob` clips its argument
 # to within one unit of rounding of 1 in its own precision.
@@ -29,7 +30,8 @@ def logaddexp(a, b):
 
 
 def log_prob(y, logit, temperature=1.0):
-    """`log p(y)` of the binary Concrete with `logit` (any broadcastable shapes) at `temperature`."""
+    """`log p(y)` of the binary Concrete with `logit` (any broadcastable shapes) at `temperature` (> 0)."""
+    check_setting(temperature, "temperature", above=0)
     y = tf.convert_to_tensor(y)
     edge = 1e-15 if y.dtype == tf.float64 else 1e-7
     y = tf.clip_by_value(y, edge, 1.0 - edge)
@@ -45,8 +47,10 @@ def sample(logit, temperature=1.0, seed=None):
 
     `seed` is a stateless seed (a shape-[2] integer tensor) or None. With
     a seed, under a `tf.distribute` strategy each replica's draws for its
-    rows are one device's for the global batch (`distribute.per_example_draw`).
+    rows are one device's for the global batch (`distribute.per_example_draw`). `temperature` is > 0 (0 divides
+    by zero; a negative one flips the draws).
     """
+    check_setting(temperature, "temperature", above=0)
     logit = tf.convert_to_tensor(logit)
     shape = tuple(tf.unstack(tf.shape(logit)))
     uniform = lambda size, seed: tf.random.stateless_uniform(size, seed, _EDGE, 1.0 - _EDGE, dtype=logit.dtype)

@@ -7,15 +7,13 @@ width or a batch of another size is an `InputError` rather than a label of no
 class or a broadcast.
 """
 
-import numbers
-
 import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
 
 from poecaps.errors import InputError
-from poecaps.validation import check_labels, check_number, shape_fits, sizes_fit
+from poecaps.validation import check_labels, check_setting, shape_fits, sizes_fit
 
 
 def _targets(labels, scores):
@@ -58,13 +56,6 @@ def _check_one_hot(rows):
                          f"{rows.min():g} to {rows.max():g}, row sums from {sums.min():g} to {sums.max():g}")
 
 
-def _check_setting(value, name, **bounds):
-    """A loss's scalar setting given as a Python or NumPy number (a tensor is a traced schedule's) or an
-    `InputError`."""
-    if isinstance(value, (numbers.Number, str, type(None), list, tuple)):
-        check_number(value, name, **bounds)
-
-
 def margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, down_weight=0.5):
     """Margin loss of CapsNet (Sabour et al. 2017, eq. 4), summed over classes.
 
@@ -79,8 +70,8 @@ def margin_loss(labels, lengths, m_plus=0.9, m_minus=0.1, down_weight=0.5):
         `[B]`, `sum_k L_k`.
     """
     for name, value in (("m_plus", m_plus), ("m_minus", m_minus)):
-        _check_setting(value, name)
-    _check_setting(down_weight, "down_weight", minimum=0)
+        check_setting(value, name)
+    check_setting(down_weight, "down_weight", minimum=0)
     t = _targets(labels, lengths)
     present = t * ops.square(ops.relu(m_plus - lengths))
     absent = down_weight * (1.0 - t) * ops.square(ops.relu(lengths - m_minus))
@@ -102,7 +93,7 @@ def spread_loss(labels, activations, margin):
     Returns:
         `[B]`.
     """
-    _check_setting(margin, "margin")
+    check_setting(margin, "margin")
     t = _targets(labels, activations)
     a_target = ops.sum(t * activations, axis=-1, keepdims=True)
     margin = ops.cast(margin, activations.dtype)
@@ -139,9 +130,9 @@ def reconstruction_loss(images, reconstructions):
 def spread_margin(step, total_steps, start=0.2, end=0.9):
     """The spread-loss margin, raised linearly from `start` to `end` over `total_steps` (>= 0; 0 gives `end`
     from the first step). A `step` given as a Python number must be >= 0; a tensor is a trainer's counter."""
-    _check_setting(step, "step", minimum=0)
-    _check_setting(total_steps, "total_steps", minimum=0)
-    _check_setting(start, "start")
-    _check_setting(end, "end")
+    check_setting(step, "step", minimum=0)
+    check_setting(total_steps, "total_steps", minimum=0)
+    check_setting(start, "start")
+    check_setting(end, "end")
     fraction = ops.minimum(ops.cast(step, "float32") / max(float(total_steps), 1.0), 1.0)
     return start + (end - start) * fraction

@@ -121,6 +121,17 @@ def check_number(value, name, minimum=None, maximum=None, above=None, below=None
     return number
 
 
+def check_setting(value, name, **bounds):
+    """`value` unchanged if it is a math function's scalar setting in range (`check_number`'s bounds) or a tensor;
+    else an `InputError`. A tensor is a traced schedule's or a trainer's counter and passes unread; anything else
+    (Python and NumPy numbers, 0-d arrays, strings, None) is checked as `check_number` checks it."""
+    import tensorflow as tf
+
+    if not tf.is_tensor(value):
+        check_number(value.item() if isinstance(value, np.ndarray) and value.ndim == 0 else value, name, **bounds)
+    return value
+
+
 def number_bounds(minimum=None, maximum=None, above=None, below=None):
     """A number's range as messages and help write it: `>= 0 and < 1` (empty when unbounded)."""
     bounds = ((">=", minimum), (">", above), ("<=", maximum), ("<", below))

@@ -12,6 +12,30 @@ def np_squash(z):
     return n**2 / (1 + n**2) * z / n
 
 
+@pytest.mark.parametrize("max_length", [1.0, 1.5, 0.0, float("nan")])
+def test_unsquash_refuses_a_clip_outside_the_unit_interval(max_length):
+    """A clip at 1 or beyond gave infinite or NaN results (sqrt(l / (1 - l))), one at 0 or below zero vectors."""
+    with pytest.raises(InputError, match=r"max_length must be a finite number > 0 and < 1"):
+        unsquash(np.array([[0.6, 0.8]], "float32"), max_length=max_length)
+    # a clip inside (0, 1) bounds the length at sqrt(l / (1 - l)): l = 0.8 gives 2
+    np.testing.assert_allclose(ops.convert_to_numpy(unsquash(np.array([[0.6, 0.8]], "float32"), max_length=0.8)),
+                               [[1.2, 1.6]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("epsilon", [0.0, -1e-7, float("inf")])
+def test_frobenius_normalisation_refuses_an_epsilon_that_is_not_positive(epsilon):
+    """epsilon = 0 made a zero matrix 0/0 = NaN, a negative one made small matrices NaN (a square root of less
+    than zero), an infinite one zeroed every matrix."""
+    from poecaps.layers.capsule_dense import frobenius_normalized
+
+    with pytest.raises(InputError, match="epsilon must be a finite number > 0"):
+        frobenius_normalized(np.zeros((1, 1, 2, 2), "float32"), epsilon)
+    # W / sqrt(|W|_F^2 + eps) by hand: |W|_F^2 = 25, eps = 0 + 1e-7 default
+    kernel = np.array([[[[3.0, 0.0], [0.0, 4.0]]]], "float32")
+    np.testing.assert_allclose(ops.convert_to_numpy(frobenius_normalized(kernel)), kernel / np.sqrt(25 + 1e-7),
+                               rtol=1e-6)
+
+
 def test_squash_matches_hand_computation():
     z = np.array([[3.0, 4.0]], dtype="float32")  # |z| = 5 -> length 25/26
     out = ops.convert_to_numpy(squash(z))

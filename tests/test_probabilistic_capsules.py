@@ -25,6 +25,19 @@ def test_binary_concrete_density_integrates_to_one(logit, temperature):
     assert abs(total - 1.0) < 1e-6
 
 
+@pytest.mark.parametrize("temperature", [0.0, -0.5, float("nan"), "1"])
+def test_binary_concrete_refuses_a_temperature_that_is_not_positive(temperature):
+    """lambda <= 0 is no Concrete: 0 divided the logits by zero (draws of exactly 0 or 1, a log density of -inf or
+    NaN) and a negative one flipped the draws; both are InputErrors now. A tensor temperature (a traced
+    schedule's) still passes unread."""
+    logit = tf.constant([0.3, -1.0], tf.float64)
+    with pytest.raises(InputError, match="temperature must be a finite number > 0"):
+        concrete.sample(logit, temperature, seed=tf.constant([1, 2]))
+    with pytest.raises(InputError, match="temperature must be a finite number > 0"):
+        concrete.log_prob(tf.constant([0.2, 0.6], tf.float64), logit, temperature)
+    assert np.isfinite(concrete.log_prob(tf.constant([0.2, 0.6], tf.float64), logit, tf.constant(0.5))).all()
+
+
 def test_binary_concrete_matches_maddisons_density_and_its_draws():
     """The log density against the paper's formula in NumPy; draws: P(y > 1/2) = sigmoid(logit)."""
     y = np.linspace(0.01, 0.99, 41)

@@ -6,7 +6,7 @@ from keras import ops
 from poecaps import routing as routing_lib
 from poecaps.constraints import IsometricPoses
 from poecaps.errors import InputError
-from poecaps.validation import check_choice, check_flag, check_integers, shape_fits
+from poecaps.validation import check_choice, check_flag, check_integers, check_setting, shape_fits
 
 POSES = ("vector", "matrix")
 
@@ -58,7 +58,11 @@ def check_capsule_inputs(layer, inputs_shape, expected, activations=None, what="
 
 
 def frobenius_normalized(kernel, epsilon=1e-7):
-    """Each transformation matrix over its Frobenius norm: `W_ij / |W_ij|_F` (last two axes)."""
+    """Each transformation matrix over its Frobenius norm: `W_ij / sqrt(|W_ij|_F^2 + epsilon)` (last two axes).
+
+    `epsilon` (> 0) keeps a zero matrix zero, where 0/0 would be NaN.
+    """
+    check_setting(epsilon, "epsilon", above=0)
     return kernel / ops.sqrt(ops.sum(ops.square(kernel), axis=(-2, -1), keepdims=True) + epsilon)
 
 
