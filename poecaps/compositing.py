@@ -19,11 +19,23 @@ undefined 0 / 0).
 
 import tensorflow as tf
 
+from poecaps.errors import InputError
+from poecaps.validation import check_image_size, shape_fits
+
 # |det P| is kept at least this large when a pose is inverted.
 _MIN_DET = 1e-4
 
 # The identity pose's six entries.
 IDENTITY = (1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+
+
+def check_shape(x, expected, name, layout):
+    """`x` unchanged if its static shape fits `expected` (`validation.shape_fits`: None fits any size); else an
+    `InputError` naming it and its layout. Checked shapes keep a mismatched count of poses, templates or layers
+    from being broadcast (a batch or stack of one drawn as many) or failing deep inside TensorFlow."""
+    if not shape_fits(tuple(x.shape), tuple(expected)):
+        raise InputError(f"{name} must have shape {layout}. Received: shape={tuple(x.shape)}")
+    return x
 
 
 def homogeneous(pose):
@@ -59,12 +71,15 @@ def warp(templates, poses, image_size):
     """Each template drawn at each pose: `[N, h, w, C]` and poses `[B, N, 6]` -> `[B, N, H, W, C]`.
 
     Bilinear interpolation with zeros outside the template, differentiable
-    in the templates and the poses.
+    in the templates and the poses. `image_size` is `(H, W)`, two integers
+    >= 1; the poses must be one per template (an `InputError` otherwise).
     """
     templates = tf.convert_to_tensor(templates)
-    poses = tf.cast(poses, templates.dtype)
+    check_shape(templates, (None, None, None, None), "templates", "[N, h, w, C]")
+    poses = check_shape(tf.cast(poses, templates.dtype), (None, templates.shape[0], 6), "poses",
+                        f"[B, {templates.shape[0]}, 6] (one pose per template)")
     n, h, w, channels = templates.shape
-    height, width = image_size
+    height, width = check_image_size(image_size)
     ys, xs = tf.meshgrid(pixel_centres(height, templates.dtype), pixel_centres(width, templates.dtype), indexing="ij")
     grid = tf.stack([tf.reshape(xs, [-1]), tf.reshape(ys, [-1]), tf.ones([height * width], templates.dtype)])
     inverse = homogeneous(invert(poses))[..., :2, :]                     # [B, N, 2, 3]
@@ -99,7 +114,13 @@ def composite(colors, alphas):
     """Layers `[B, N, H, W, C]` with alphas `[B, N, H, W, 1]`, the first in front: the image over black.
 
     Returns `sum_k C_k a_k prod_(m<k) (1 - a_m)` (`[B, H, W, C]`), which is
-    `C_o a_o` of folding `over` from the back layer to the front one.
+    `C_o a_o` of folding `over` from the back layer to the front one. One
+    alpha per layer and pixel: an `InputError` otherwise, where a single
+    alpha layer would be broadcast over all and nothing would be hidden.
     """
+    colors = tf.convert_to_tensor(colors)
+    check_shape(colors, (None,) * 5, "colors", "[B, N, H, W, C]")
+    alphas = check_shape(tf.cast(alphas, colors.dtype), (*colors.shape[:-1], 1), "alphas",
+                         "[B, N, H, W, 1] (one alpha per layer and pixel of the colors)")
     transmitted = tf.math.cumprod(1.0 - alphas, axis=1, exclusive=True)   # light reaching layer k
     return tf.reduce_sum(colors * alphas * transmitted, axis=1)

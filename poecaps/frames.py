@@ -22,15 +22,28 @@ the frame far.
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from poecaps import compositing
+from poecaps.errors import InputError
+from poecaps.validation import check_finite
 
 
 def rigid_frame(poses, weights):
-    """`F [B, 6]` of poses `[B, N, 6]` weighted by `weights [B, N] >= 0` (the module docstring)."""
-    poses = tf.convert_to_tensor(poses)
-    weights = tf.cast(weights, poses.dtype)
+    """`F [B, 6]` of poses `[B, N, 6]` weighted by `weights [B, N] >= 0` (the module docstring).
+
+    Shapes are checked always, the weights' values when run eagerly (in a traced step they are the model's
+    presences, in [0, 1]); a mismatch is an `InputError`, where weights `[B, 1]` would weigh every pose fully
+    (m the positions' sum, not their mean) and negative ones would be divided by the floor of their sum.
+    """
+    poses = compositing.check_shape(tf.convert_to_tensor(poses), (None, None, 6), "poses", "[B, N, 6]")
+    weights = compositing.check_shape(tf.cast(weights, poses.dtype), poses.shape[:2], "weights",
+                                      "[B, N] (one weight per pose)")
+    if tf.executing_eagerly() and np.asarray(weights).size:
+        values = check_finite(np.asarray(weights), "weights")
+        if values.min() < 0:
+            raise InputError(f"weights must be >= 0. Received: minimum {values.min():g}")
     weights = weights / tf.maximum(tf.reduce_sum(weights, -1, keepdims=True), tf.constant(1e-12, poses.dtype))
     x = tf.stack([poses[..., 2], poses[..., 5]], -1)                           # positions [B, N, 2]
     m = tf.reduce_sum(weights[..., None] * x, 1)                                # [B, 2]
@@ -46,10 +59,21 @@ def rigid_frame(poses, weights):
 
 def to_frame(frame, poses):
     """`F^-1 P_j [B, N, 6]`: poses `[B, N, 6]` read in the frames `[B, 6]`."""
+    frame, poses = _frames_and_poses(frame, poses)
     inverse = compositing.homogeneous(compositing.invert(frame))[:, None]
     return compositing.flat(inverse @ compositing.homogeneous(poses))
 
 
 def from_frame(frame, poses):
     """`F Q_j [B, N, 6]`: poses `[B, N, 6]` given in the frames `[B, 6]`, in the image's coordinates."""
+    frame, poses = _frames_and_poses(frame, poses)
     return compositing.flat(compositing.homogeneous(frame)[:, None] @ compositing.homogeneous(poses))
+
+
+def _frames_and_poses(frame, poses):
+    """One frame `[B, 6]` per set of poses `[B, N, 6]`, as tensors of the poses' dtype, or an `InputError` (a single
+    frame would otherwise be broadcast over every set)."""
+    poses = compositing.check_shape(tf.convert_to_tensor(poses), (None, None, 6), "poses", "[B, N, 6]")
+    frame = compositing.check_shape(tf.cast(frame, poses.dtype), (poses.shape[0], 6), "frame",
+                                    "[B, 6] (one frame per set of poses)")
+    return frame, poses

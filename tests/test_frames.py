@@ -76,3 +76,23 @@ def test_the_weights_choose_which_poses_set_the_frame():
     weights = tf.constant([[1.0, 1.0, 1.0, 0.0]] * 2, tf.float64)
     found = frames.rigid_frame(tf.constant(poses), weights).numpy()
     np.testing.assert_allclose(found, [[1, 0, 1 / 3, 0, 1, 0]] * 2, atol=1e-12)
+
+
+@pytest.mark.parametrize("call, message", [
+    # weights [B, 1] weighed every pose fully: the frame's origin was the positions' sum, not their mean
+    (lambda poses: frames.rigid_frame(poses, np.ones((2, 1))), "one weight per pose"),
+    (lambda poses: frames.rigid_frame(poses, -np.ones((2, 3))), ">= 0"),     # divided by the floor of their sum
+    (lambda poses: frames.rigid_frame(poses, np.array([[1, np.nan, 1], [1, 1, 1]])), "NaN"),
+    (lambda poses: frames.rigid_frame(poses[..., :4], np.ones((2, 3))), r"\[B, N, 6\]"),
+    # a single frame was broadcast over both sets of poses
+    (lambda poses: frames.to_frame(_poses_at([[0.0, 0.0]])[:, 0], poses), "one frame per set"),
+    (lambda poses: frames.from_frame(_poses_at([[0.0, 0.0]])[:, 0], poses), "one frame per set"),
+])
+def test_frames_refuse_weights_and_frames_that_do_not_fit_the_poses(call, message):
+    """Shapes that would be broadcast and weights that are negative or NaN are InputErrors; each gave a frame
+    without a word before."""
+    poses = _poses_at([[[0.0, 0.0], [1.0, 0.0], [3.0, 0.0]], [[0.0, 1.0], [0.0, 2.0], [0.0, 4.0]]])
+    with pytest.raises(ValueError, match=message):
+        call(poses)
+    # the weights' check keeps the hand case: equal weights on (0,0), (1,0), (3,0) put the origin at (4/3, 0)
+    np.testing.assert_allclose(frames.rigid_frame(poses, np.ones((2, 3)))[0, 2], 4.0 / 3.0, rtol=1e-12)

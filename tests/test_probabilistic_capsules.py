@@ -52,6 +52,26 @@ def test_binary_concrete_matches_maddisons_density_and_its_draws():
         assert abs(share - scipy.special.expit(logit)) < 0.0056
 
 
+@pytest.mark.parametrize("call, message", [
+    # one pose for two templates, or three: failed inside TensorFlow's gather
+    (lambda t, p: compositing.warp(t, p[:, :1], (5, 5)), "one pose per template"),
+    (lambda t, p: compositing.warp(t, tf.concat([p, p[:, :1]], 1), (5, 5)), "one pose per template"),
+    (lambda t, p: compositing.warp(t, p, (0, 5)), "image_size"),          # drew an empty image
+    (lambda t, p: compositing.warp(t, p, (5.5, 5)), "image_size"),
+    (lambda t, p: compositing.warp(t[..., 0], p, (5, 5)), r"\[N, h, w, C\]"),
+    # one alpha layer for three colour layers was broadcast: nothing in front hid what was behind
+    (lambda t, p: compositing.composite(tf.ones([2, 3, 4, 4, 1]), tf.fill([2, 1, 4, 4, 1], 0.5)), "one alpha per"),
+])
+def test_warp_and_composite_refuse_shapes_that_do_not_fit(call, message):
+    templates = tf.random.stateless_uniform([2, 4, 4, 1], [0, 1])
+    poses = tf.tile(tf.constant([[compositing.IDENTITY]]), [3, 2, 1])
+    with pytest.raises(InputError, match=message):
+        call(templates, poses)
+    # three layers of alpha 1/2 over black pass: 1/2 + 1/4 + 1/8 of a white colour
+    found = compositing.composite(tf.ones([1, 3, 1, 1, 1]), tf.fill([1, 3, 1, 1, 1], 0.5))
+    np.testing.assert_allclose(found.numpy().ravel(), [0.875], rtol=1e-6)
+
+
 def test_over_and_composite_of_two_layers_by_hand():
     # front: C 0.8, alpha 0.5; back: C 0.4, alpha 0.6
     # a_o = 0.5 + 0.6 * 0.5 = 0.8; C_o = (0.8 * 0.5 + 0.4 * 0.6 * 0.5) / 0.8 = 0.52 / 0.8 = 0.65
