@@ -2,7 +2,8 @@
 
 import tensorflow as tf
 
-from poecaps.validation import check_integer
+from poecaps.errors import InputError
+from poecaps.validation import check_integer, sizes_fit
 
 
 def _split(x, num_chunks, chunk_size, pad):
@@ -32,7 +33,8 @@ def map_in_chunks(fn, inputs, chunk_size, output_dtypes):
 
     Args:
         fn: function of `len(inputs)` tensors returning a tuple of tensors.
-        inputs: list of tensors `[N, ...]`.
+        inputs: a non-empty list of tensors `[N, ...]`, one N for all (an
+            `InputError` otherwise; they are cut into the same chunks).
         chunk_size: rows per chunk (> 0).
         output_dtypes: the dtype of each of `fn`'s outputs.
 
@@ -41,6 +43,9 @@ def map_in_chunks(fn, inputs, chunk_size, output_dtypes):
     """
     chunk_size = check_integer(chunk_size, "chunk_size")
     inputs = [tf.convert_to_tensor(x) for x in inputs]
+    if not inputs or any(x.shape.rank == 0 or not sizes_fit(x.shape[0], inputs[0].shape[0]) for x in inputs):
+        raise InputError(f"map_in_chunks takes one or more inputs [N, ...] of one batch size N. Received: shapes "
+                         f"{[tuple(x.shape) for x in inputs]}")
     n = tf.shape(inputs[0])[0]
     # At least one chunk: an empty batch runs one chunk of padding (map_fn fails on none).
     num_chunks = tf.maximum((n + chunk_size - 1) // chunk_size, 1)

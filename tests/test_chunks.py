@@ -39,3 +39,13 @@ def test_values_and_gradients_equal_whole_batch(rng, mode, rows, chunk_size):
 def test_bad_chunk_size(chunk_size):
     with pytest.raises(InputError, match="chunk_size must be an integer >= 1"):
         map_in_chunks(lambda x: (x,), [tf.zeros((2, 1))], chunk_size, ["float32"])
+
+
+@pytest.mark.parametrize("inputs", [
+    [],                                                            # IndexError before
+    [tf.zeros([5, 2]), tf.zeros([4])],                             # failed in a TensorFlow reshape
+    [tf.zeros([5, 2]), tf.zeros([])],
+])
+def test_inputs_of_no_common_batch_are_refused(inputs):
+    with pytest.raises(InputError, match="one batch size N"):
+        map_in_chunks(lambda *xs: (xs[0],), inputs, 2, ["float32"])
