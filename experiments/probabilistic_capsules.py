@@ -230,7 +230,10 @@ def load_trained(run_dir):
 
     run = RunDir(run_dir, create=False)
     found = run.read_json("config.json")
-    if found is None or found.get("kind") != KIND:
+    if found is not None and found.get("kind") != KIND:
+        raise InputError(f"{run.path} holds a {found.get('kind') or 'unknown'} run, not a probabilistic capsule "
+                         "model; give the run directory of one (--run-dir).")
+    if found is None:
         raise InputError(f"{run.path} holds no trained probabilistic capsule model; train one first.")
     paths = [os.path.join(run.models, f"{name}.keras") for name in ("capsules", "vae")]
     missing = [p for p in paths if not os.path.exists(p)]

@@ -81,10 +81,13 @@ def test_probabilistic_capsules_checks_its_flags_and_runs(tmp_path):
     assert "it takes no epochs" in _one_error_line(_run(script, "--evaluate-only", "--epochs", "3"))
     assert "it takes no specialisation" in _one_error_line(_run(script, "--evaluate-only", "--set", "specialisation=1"))
     assert "No run directory" in _one_error_line(_run(script, "--evaluate-only", "--run-dir", str(tmp_path / "no")))
-    baseline = tmp_path / "baseline"                    # another kind of run
+    baseline = tmp_path / "baseline"                    # another kind of run: named, where it read "no trained"
     shutil.copytree(os.path.join(ROOT, "docs", "results", "baselines", "hinton2018_small_mnist5k"), baseline)
-    assert "no trained probabilistic capsule model" in _one_error_line(
+    assert "holds a baseline run, not a probabilistic capsule model" in _one_error_line(
         _run(script, "--evaluate-only", "--run-dir", str(baseline)))
+    os.makedirs(tmp_path / "empty")
+    assert "no trained probabilistic capsule model" in _one_error_line(
+        _run(script, "--evaluate-only", "--run-dir", str(tmp_path / "empty")))
     digits = _tiny_idx(tmp_path / "digits")
     assert "canvas must be at least" in _one_error_line(
         _run(script, "--run-dir", str(tmp_path / "small"), "--data-dir", digits, "--canvas", "20"))
