@@ -59,10 +59,18 @@ def test_the_pipeline_refuses_components_and_statistics_it_would_misuse(pipeline
          rf"\({channels},\)$")),
         (lambda: CapsulePipeline(ae, code_mean=np.zeros((width, channels))), r"^code_mean must have shape"),
         (lambda: CapsulePipeline(ae, code_mean=np.full(ae.code_shape, np.nan)), r"^code_mean holds \d+ NaN"),
-        (lambda: CapsulePipeline(ae, encoder, mean_directions=np.ones((4, 4))),
+        (lambda: CapsulePipeline(ae, encoder, capsule_dim=4, mean_directions=np.ones((4, 4))),
          r"^mean_directions must have shape \[3, 4\] \(\[J, D\]\)\. Received: shape \(4, 4\)$"),
-        (lambda: CapsulePipeline(ae, encoder, winning_axes=np.full((3, 4), np.nan)), r"^winning_axes holds 12 NaN"),
+        (lambda: CapsulePipeline(ae, encoder, capsule_dim=4, winning_axes=np.full((3, 4), np.nan)),
+         r"^winning_axes holds 12 NaN"),
         (lambda: CapsulePipeline(ae, winning_axes=np.ones(4)), r"^winning_axes must have shape \[J, D\]"),
+        # components that do not fit: each was refused only at its first call, as a shape it did not expect
+        (lambda: CapsulePipeline(ae, encoder, capsule_dim=2), (r"^The encoder reads lower capsules \[32, 4\] \[I, D\], "
+                                                              r"not the \[64, 2\] the autoencoder's code forms")),
+        (lambda: CapsulePipeline(ae, decoder=pipeline.decoder, capsule_dim=8), r"^The decoder writes lower capsules"),
+        (lambda: CapsulePipeline(ae, encoder, _built(CapsuleExperts(32, 4), (5, 4)), capsule_dim=4),
+         r"^The decoder reads upper capsules \[5, 4\], not the encoder's \[3, 4\]"),
+        (lambda: CapsulePipeline(ae, capsule_dim=3), r"^capsule_dim must divide the number of channels \(8\)"),
     ]
     for make, message in refused:
         with pytest.raises(InputError, match=message):

@@ -6,7 +6,14 @@ import keras
 import numpy as np
 
 from poecaps import experts, layers, rbm  # noqa: F401  (registers the serializable classes)
-from poecaps.capsules import capsules_to_code, primary_capsules, squash, unsquash, with_length
+from poecaps.capsules import (
+    capsules_to_code,
+    check_code_shape,
+    primary_capsules,
+    squash,
+    unsquash,
+    with_length,
+)
 from poecaps.errors import InputError
 from poecaps.graphs import batched
 from poecaps.models.saving import load_component, save_component
@@ -95,8 +102,11 @@ class CapsulePipeline:
             (`poecaps.metrics.winning_side_axes`; the sampler's
             `half="winning"`), or None.
 
-    A component of another kind, a `capsule_dim` that is not an integer >= 1,
-    and arrays that are not finite numbers of the shapes above (the code's
+    A component of another kind, a `capsule_dim` that is not an integer >= 1
+    or does not divide the code's channels, built components that do not
+    fit each other (the encoder reads, and the decoder writes, the `I`
+    lower capsules of `capsule_dim` the code forms; the decoder reads the
+    encoder's `J` capsules of `D` or `D + 1`), and arrays that are not finite numbers of the shapes above (the code's
     once the autoencoder is built, the encoder's J and D) are an `InputError`;
     the arrays are checked whenever they are set.
     """
@@ -118,9 +128,34 @@ class CapsulePipeline:
         self.encoder = encoder
         self.decoder = decoder
         self.capsule_dim = check_integer(capsule_dim, "capsule_dim")
+        self._check_components_fit()
         self.code_mean = code_mean
         self.mean_directions = mean_directions
         self.winning_axes = winning_axes
+
+    def _check_components_fit(self):
+        """An `InputError` naming the first mismatch among the built components (the class docstring), where it
+        would be refused only at the component's first call, as a shape that layer did not expect."""
+        code_shape = getattr(self.autoencoder, "code_shape", None)
+        lower = (None, self.capsule_dim)
+        if code_shape is not None:
+            check_code_shape((None, *code_shape), self.capsule_dim)
+            lower = (int(np.prod(code_shape)) // self.capsule_dim, self.capsule_dim)
+        built = lambda part: part is not None and part.built and hasattr(part, "kernel")
+        where = f"the autoencoder's code forms with capsule_dim={self.capsule_dim}"
+        if built(self.encoder) and not shape_fits(self.encoder.visible_shape, lower):
+            raise InputError(f"The encoder reads lower capsules {list(self.encoder.visible_shape)} [I, D], not the "
+                             f"{list(lower)} {where}.")
+        if built(self.decoder):
+            written = (self.decoder.num_capsules, self.decoder.capsule_dim)
+            if not shape_fits(written, lower):
+                raise InputError(f"The decoder writes lower capsules {list(written)} [I, D], not the {list(lower)} "
+                                 f"{where}.")
+            if built(self.encoder):
+                j, d = self.encoder.num_capsules, self.encoder.capsule_dim
+                if tuple(self.decoder.visible_shape) not in ((j, d), (j, d + 1)):
+                    raise InputError(f"The decoder reads upper capsules {list(self.decoder.visible_shape)}, not the "
+                                     f"encoder's [{j}, {d}] (or [{j}, {d + 1}] with their lengths).")
 
     def _trained(self, name):
         """The component `name` ("encoder" or "decoder"); `InputError` if this pipeline has none."""
