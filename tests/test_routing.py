@@ -109,6 +109,21 @@ def test_linear_route_equals_routing_on_votes(rng, agreement, normalize, with_ac
         np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("x_shape, a_shape, message", [
+    ((7, 4), None, "x of shape"),            # one example's capsules: was read as a batch of 7 examples of 4
+    ((3, 6, 4), None, "x of shape"),         # another I: failed in a TensorFlow reshape
+    ((3, 7, 5), None, "x of shape"),         # another D_in: likewise
+    ((3, 7, 4), (3, 1), r"activations must be \[B, I\] = \[3, 7\]"),   # broadcast over the 7 capsules
+    ((3, 7, 4), (1, 7), r"activations must be \[B, I\] = \[3, 7\]"),   # broadcast over the batch
+])
+def test_linear_route_refuses_capsules_that_do_not_fit_the_kernel(rng, x_shape, a_shape, message):
+    """Each of these gave a result without a word, or failed inside TensorFlow, before."""
+    w = rng.normal(size=(7, 5, 6, 4))
+    a = None if a_shape is None else rng.uniform(size=a_shape)
+    with pytest.raises(InputError, match=message):
+        DynamicRouting(2).route_linear(rng.normal(size=x_shape), w, a)
+
+
 @pytest.mark.parametrize("iterations", [0, 1])
 def test_zero_and_one_round_give_uniform_coefficients(rng, iterations):
     votes = rng.normal(size=(2, 5, 4, 3))

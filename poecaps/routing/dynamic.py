@@ -6,8 +6,9 @@ from keras import ops
 
 from poecaps import distribute
 from poecaps.capsules import norm, ratio, squash
-from poecaps.routing.base import Routing, RoutingResult
-from poecaps.validation import check_choice
+from poecaps.errors import InputError
+from poecaps.routing.base import Routing, RoutingResult, check_activations
+from poecaps.validation import check_choice, shape_fits
 
 AGREEMENTS = ("dot", "cosine")
 NORMALIZATIONS = ("parents", "children")
@@ -130,10 +131,20 @@ class DynamicRouting(Routing):
         """`route_linear` in the upper-capsule-major layout: `(cj [J, B, I], zj [J, B, D_out])`.
 
         `zj` is the pre-activation of the final poses (eq. 3), which the CD
-        trainer reuses.
+        trainer reuses. Shapes as `route_linear`'s, checked: an `InputError`
+        otherwise, where activations `[B, 1]` or `[1, I]` were broadcast and
+        capsules of one example `[I, D_in]` were read as a batch.
         """
         from poecaps import energy
 
+        x, kernel = ops.convert_to_tensor(x), ops.convert_to_tensor(kernel)
+        if len(kernel.shape) != 4 or not shape_fits(tuple(x.shape), (None, kernel.shape[0], kernel.shape[3])):
+            raise InputError(f"{type(self).__name__}: route_linear takes lower capsules x [B, I, D_in] and a kernel "
+                             f"[I, J, D_out, D_in] of the same I and D_in. Received: x of shape {list(x.shape)}, "
+                             f"kernel of shape {list(kernel.shape)}")
+        if activations is not None:
+            activations = ops.convert_to_tensor(activations)
+            check_activations(self, (x.shape[0], *kernel.shape[:3]), tuple(activations.shape))
         dtype = distribute.full_precision_dtype(x)
         x, kernel = ops.cast(x, dtype), ops.cast(kernel, dtype)
         weight = 1.0 if activations is None else ops.cast(activations, dtype)[None]
