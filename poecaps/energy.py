@@ -35,7 +35,43 @@ going through memory; `kernel_views` gives W as `[J, I*D_in, D_out]` and
 from keras import ops
 
 from poecaps.capsules import EPSILON, root, squash
-from poecaps.validation import check_integer
+from poecaps.errors import InputError
+from poecaps.validation import check_integer, shape_fits
+
+# The axes of each argument of the public functions, named as in the module docstring.
+_LAYOUTS = {"x": ("B", "I", "D_in"), "x_neg": ("B", "I", "D_in"), "c": ("B", "I", "J"), "c_neg": ("B", "I", "J"),
+            "h": ("B", "J"), "v": ("B", "J", "D_out")}
+
+
+def check_layer(kernel, **arrays):
+    """`(kernel, *arrays)` as tensors, in the order given, if every array fits `kernel [I, J, D_out, D_in]` and
+    one batch B; else an `InputError` naming the first that does not.
+
+    Each array is named by its role (`x`, `x_neg [B, I, D_in]`; `c`, `c_neg [B, I, J]`; `h [B, J]`;
+    `v [B, J, D_out]`); None is skipped (an argument left to its default). Sizes unknown while tracing fit any.
+    Without the check a batch, capsule or parent axis of size 1 would be broadcast against the others (one
+    example's coefficients used for every example, say) and the result would come without a word.
+    """
+    kernel = ops.convert_to_tensor(kernel)
+    if len(kernel.shape) != 4:
+        raise InputError(f"kernel must be [I, J, D_out, D_in]. Received: shape={tuple(kernel.shape)}")
+    sizes = dict(zip(("I", "J", "D_out", "D_in"), kernel.shape))
+    tensors = []
+    for name, array in arrays.items():
+        if array is None:
+            tensors.append(None)
+            continue
+        array = ops.convert_to_tensor(array)
+        axes = _LAYOUTS[name]
+        if sizes.get("B") is None and len(array.shape) == len(axes):
+            sizes["B"] = array.shape[0]
+        expected = tuple(sizes.get(axis) for axis in axes)
+        if not shape_fits(tuple(array.shape), expected):
+            wanted = ", ".join(f"{axis}={sizes[axis]}" if sizes.get(axis) is not None else axis for axis in axes)
+            raise InputError(f"{name} must be [{', '.join(axes)}] ({wanted}) for a kernel of shape "
+                             f"{list(kernel.shape)}. Received: {name} of shape {list(array.shape)}")
+        tensors.append(array)
+    return (kernel, *tensors)
 
 # ---- internal, upper-capsule-major helpers ---------------------------------
 
@@ -171,18 +207,21 @@ def _kernel_mean(grad, x):
 
 def routed_sum(x, kernel, c):
     """`z_j = sum_i c_ij W_ij x_i` (eq. 3): `[B, I, D_in] -> [B, J, D_out]`."""
+    kernel, x, c = check_layer(kernel, x=x, c=c)
     wr, _ = kernel_views(kernel)
     return ops.transpose(routed_sum_j(x, wr, to_j_major(c)), (1, 0, 2))
 
 
 def transpose_votes(v, kernel):
     """`W_ij^T v_j` for every pair: `[B, J, D_out] -> [B, I, J, D_in]`."""
+    kernel, v = check_layer(kernel, v=v)
     # [B, J, D_out] x [I, J, D_out, D_in] -> [B, I, J, D_in]
     return ops.einsum("bjo,ijoe->bije", v, kernel)
 
 
 def reconstruct(v, kernel, c):
     """Top-down pre-activation `z~_i = sum_j c_ij W_ij^T v_j`: `[B, J, D_out] -> [B, I, D_in]`."""
+    kernel, v, c = check_layer(kernel, v=v, c=c)
     _, wt = kernel_views(kernel)
     return reconstruct_j(ops.transpose(v, (1, 0, 2)), wt, to_j_major(c), kernel.shape[-1])
 
@@ -223,6 +262,7 @@ def _squared_length(z):
 
 def energy(x, h, kernel, c):
     """`E(x, h) = - sum_j h_j log |z_j|^2` (eq. 7); `h [B, J]` in {0, 1}; returns `[B]`."""
+    kernel, x, h, c = check_layer(kernel, x=x, h=h, c=c)
     sq = _squared_length(routed_sum(x, kernel, c))
     return -ops.sum(h * ops.log(sq + EPSILON), axis=-1)
 
@@ -244,6 +284,7 @@ def mix(x, kernel, c, steps=1):
     Returns `(x~ [B, I, D_in], z~ [B, J, D_out])`.
     """
     steps = check_integer(steps, "steps")
+    kernel, x, c = check_layer(kernel, x=x, c=c)
     wr, wt = kernel_views(kernel)
     x_neg, zj = mix_j(x, wr, wt, to_j_major(c), steps)
     return x_neg, ops.transpose(zj, (1, 0, 2))
@@ -254,8 +295,11 @@ def encoder_cd_gradient(x, kernel, c, x_neg=None, c_neg=None, steps=1):
 
     `x_neg` defaults to the CD-`steps` reconstruction of `x` with the data's
     `c`; `c_neg` (for persistent chains) defaults to `c`. The result is the
-    ascent direction on log-likelihood, `-grad_W [F(x) - F(x~)]`.
+    ascent direction on log-likelihood, `-grad_W [F(x) - F(x~)]`. Every
+    array is checked against the kernel and the batch (`check_layer`).
     """
+    steps = check_integer(steps, "steps")
+    kernel, x, c, x_neg, c_neg = check_layer(kernel, x=x, c=c, x_neg=x_neg, c_neg=c_neg)
     wr, wt = kernel_views(kernel)
     cj = to_j_major(c)
     cj_neg = cj if c_neg is None else to_j_major(c_neg)

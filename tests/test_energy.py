@@ -113,3 +113,31 @@ def test_children_normalisation_is_parents_with_weights_scaled_by_i_over_j(rng):
     p_par3, _, _ = model(3, "parents", w)
     p_ch3, _, _ = model(3, "children", k * w)
     assert np.abs(p_ch3 - p_par3).max() > 1e-3
+
+
+_B, _I, _J, _DO, _DI = 2, 4, 3, 5, 6
+
+
+@pytest.mark.parametrize("call, message", [
+    # each of these was broadcast and gave a result without a word
+    (lambda x, k, c, h, v: energy.free_energy(x, k, c[:, :1]), r"c must be \[B, I, J\] \(B=2, I=4, J=3\)"),
+    (lambda x, k, c, h, v: energy.p_on(x, k, c[:1]), r"c must be \[B, I, J\]"),
+    (lambda x, k, c, h, v: energy.energy(x, h[:, :1], k, c), r"h must be \[B, J\] \(B=2, J=3\)"),
+    (lambda x, k, c, h, v: energy.energy(x, h[:1], k, c), r"h must be \[B, J\]"),
+    (lambda x, k, c, h, v: energy.mix(x, k, c[:1]), r"c must be \[B, I, J\]"),
+    (lambda x, k, c, h, v: energy.encoder_cd_gradient(x, k, c, c_neg=c[:1]), r"c_neg must be"),
+    (lambda x, k, c, h, v: energy.reconstruct(v[:1], k, c), r"c must be \[B, I, J\] \(B=1"),
+    # these failed inside TensorFlow
+    (lambda x, k, c, h, v: energy.free_energy(x[:1], k, c), r"c must be \[B, I, J\] \(B=1"),
+    (lambda x, k, c, h, v: energy.routed_sum(x, k, c[..., :1]), r"c must be"),
+    (lambda x, k, c, h, v: energy.encoder_cd_gradient(x, k, c, x_neg=x[:1]), r"x_neg must be \[B, I, D_in\]"),
+    (lambda x, k, c, h, v: energy.transpose_votes(v[:, :1], k), r"v must be \[B, J, D_out\] \(B=2, J=3, D_out=5\)"),
+    (lambda x, k, c, h, v: energy.free_energy(x, k[0], c), r"kernel must be \[I, J, D_out, D_in\]"),
+])
+def test_energy_functions_refuse_arrays_that_do_not_fit_the_kernel(rng, call, message):
+    x = rng.normal(size=(_B, _I, _DI)).astype("float32")
+    kernel = rng.normal(size=(_I, _J, _DO, _DI)).astype("float32")
+    c = rng.uniform(size=(_B, _I, _J)).astype("float32")
+    h, v = np.ones((_B, _J), "float32"), rng.normal(size=(_B, _J, _DO)).astype("float32")
+    with pytest.raises(InputError, match=message):
+        call(x, kernel, c, h, v)
