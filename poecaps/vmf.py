@@ -30,7 +30,8 @@ import math
 
 import tensorflow as tf
 
-from poecaps.validation import check_integer
+from poecaps.errors import InputError
+from poecaps.validation import check_integer, check_number, check_seed_pair, shape_fits
 
 SERIES_TERMS = 1024
 ASYMPTOTIC_FROM = 1000.0
@@ -61,7 +62,10 @@ def _log_bessel_debye(order, x):
 
 
 def log_bessel_i(order, x):
-    """`log I_order(x)` for `x > 0` (any shape, float64 inside), `order >= 0` a Python number."""
+    """`log I_order(x)` for `x > 0` (any shape, float64 inside), `order >= 0` a Python number (an `InputError`
+    otherwise: the series and Debye's expansion hold for orders >= 0 only; at -1.5 they gave 0.438 where
+    `log I_-1.5(2)` is -0.015)."""
+    order = check_number(order, "order", minimum=0)
     dtype = x.dtype if hasattr(x, "dtype") else tf.float64
     x = tf.cast(x, tf.float64)
     large = x > ASYMPTOTIC_FROM
@@ -93,7 +97,13 @@ def vmf_log_normalizer(kappa, d):
 
 
 def vmf_log_prob(x, mu, kappa):
-    """`log p(x; mu, kappa)` for unit vectors `x`, `mu` `[..., d]` and `kappa` `[...]`."""
+    """`log p(x; mu, kappa)` for unit vectors `x`, `mu` `[..., d]` (the same d; the other axes broadcast) and
+    `kappa` `[...]`, computed in `x`'s dtype (arrays and numbers alike)."""
+    x = tf.convert_to_tensor(x)
+    mu, kappa = tf.cast(mu, x.dtype), tf.cast(kappa, x.dtype)
+    if len(x.shape) == 0 or len(mu.shape) == 0 or not shape_fits(x.shape[-1:], mu.shape[-1:]):
+        raise InputError(f"x and mu must be vectors [..., d] of one d. Received: shapes {tuple(x.shape)} and "
+                         f"{tuple(mu.shape)}")
     return vmf_log_normalizer(kappa, x.shape[-1]) + kappa * tf.reduce_sum(x * mu, axis=-1)
 
 
@@ -145,14 +155,24 @@ def sample_vmf(mu, kappa, seed):
     itself (the limit); a negative or NaN kappa gives a row of NaN; neither
     keeps the loop going.
 
+    `mu` must be `[N, d]` and `kappa` `[N]` or a scalar (one for every row),
+    `seed` a pair of integers (`validation.check_seed_pair`); else an
+    `InputError`, where a `mu` of one row `[d]` was read as d rows and a
+    float seed was truncated. `mu`'s unit length is the caller's: a row of
+    zeros (an all-zero vote) is reflected as it is.
+
     Returns:
         `[N, d]` unit vectors.
     """
     mu = tf.convert_to_tensor(mu)
     dtype = mu.dtype
     kappa = tf.cast(tf.convert_to_tensor(kappa), dtype)
+    if len(mu.shape) != 2 or not (len(kappa.shape) == 0 or shape_fits(tuple(kappa.shape), mu.shape[:1])):
+        raise InputError(f"sample_vmf takes mu [N, d] and kappa [N] or a scalar. Received: shapes "
+                         f"{tuple(mu.shape)} and {tuple(kappa.shape)}")
     check_integer(mu.shape[-1], "mu.shape[-1]", minimum=2)
     n, d = tf.shape(mu)[0], mu.shape[-1]
+    kappa = tf.broadcast_to(kappa, [n])
     dm1 = tf.cast(d - 1, dtype)
     drawn = tf.math.is_finite(kappa) & (kappa >= 0.0)
     # finite kappa past a quarter of the dtype's largest number draws as that (2 kappa must not overflow)
@@ -160,7 +180,7 @@ def sample_vmf(mu, kappa, seed):
     scale = tf.maximum(2.0 * k, dm1)                     # sqrt(4 k^2 + (d-1)^2) without overflowing the square
     b = dm1 / (2.0 * k + scale * tf.sqrt(tf.square(2.0 * k / scale) + tf.square(dm1 / scale)))
     mode_gap = 2.0 * b / (1.0 + b)                       # 1 - x0
-    seed = tf.cast(seed, tf.int64)      # int32 or int64 alike: the stateless draws depend on the values only
+    seed = check_seed_pair(seed)        # int64: the stateless draws depend on the values only
     half = tf.fill([n], dm1 / 2.0)
 
     def body(round_, t, done):

@@ -57,6 +57,32 @@ def test_at_zero_concentration_the_vmf_is_the_uniform_distribution_on_the_sphere
     assert float(vmf.vmf_log_normalizer(tf.constant(0.0, tf.float32), d)) == pytest.approx(-np.log(area), rel=1e-6)
 
 
+def test_the_vmf_functions_refuse_what_they_would_misread():
+    """Each of these gave a value without a word before: a negative Bessel order (0.438 where log I_-1.5(2) is
+    -0.015, scipy's), one mu [d] read as d rows, a float seed truncated, a mu of another d broadcast; or failed
+    inside TensorFlow: NumPy float64 vectors against a float kappa. The last now computes in x's dtype, and
+    matches scipy's vonmises_fisher."""
+    with pytest.raises(InputError, match="order must be a finite number >= 0"):
+        vmf.log_bessel_i(-1.5, tf.constant(2.0, tf.float64))
+    assert np.log(special.iv(-1.5, 2.0)) == pytest.approx(-0.01517, abs=1e-5)   # what the old value missed
+    mu = np.eye(3)[[0, 1]]
+    with pytest.raises(InputError, match=r"mu \[N, d\] and kappa \[N\]"):
+        vmf.sample_vmf(mu[0], 5.0, [1, 2])
+    with pytest.raises(InputError, match=r"mu \[N, d\] and kappa \[N\]"):
+        vmf.sample_vmf(mu, np.full(3, 5.0), [1, 2])
+    with pytest.raises(InputError, match="seed must be a pair of integers"):
+        vmf.sample_vmf(mu, 5.0, [1.5, 2])
+    with pytest.raises(InputError, match="one d"):
+        vmf.vmf_log_prob(np.eye(3)[[0]], np.ones((1, 1)), 2.0)
+    x = np.array([[0.6, 0.8, 0.0]])
+    got = vmf.vmf_log_prob(x, np.eye(3)[[0]], 2.0)
+    assert got.dtype == tf.float64
+    np.testing.assert_allclose(got.numpy(), [stats.vonmises_fisher(np.eye(3)[0], 2.0).logpdf(x[0])], rtol=1e-12)
+    # one kappa for every row, in a traced function too
+    draws = tf.function(lambda m: vmf.sample_vmf(m, 5.0, [1, 2]))(tf.constant(mu))
+    np.testing.assert_allclose(np.linalg.norm(draws.numpy(), axis=-1), 1.0, rtol=1e-12)
+
+
 @pytest.mark.parametrize("d", [2, 3, 8, 16, 100])
 def test_log_bessel_and_the_normaliser_hold_at_any_concentration(d):
     """`log I_(d/2-1)(kappa)` against scipy's scaled Bessel function (`log ive + kappa`) from kappa = 1e-3 to
