@@ -22,6 +22,7 @@ from poecaps.validation import (
     check_integer,
     check_labels,
     check_number,
+    check_setting,
 )
 
 PENALTIES = ("none", "l1", "l2")
@@ -35,7 +36,9 @@ def _norm(v):
 
 
 def shrink(v, amount):
-    """The proximal step of `amount * |v|` on capsules `[..., D]`: each length cut by `amount`, floored at 0."""
+    """The proximal step of `amount * |v|` on capsules `[..., D]`: each length cut by `amount` (>= 0; a negative
+    one would lengthen them), floored at 0."""
+    check_setting(amount, "amount", minimum=0)
     length = _norm(v)[..., None]
     return v * tf.maximum(1.0 - amount / length, 0.0)
 
@@ -55,8 +58,8 @@ def descend(smooth_energy, states, steps, learning_rate, l1=None, record=None):
         smooth_energy: function of the list of states returning `[B]`
             energies (independent chains along the first axis).
         states: list of tensors `[B, ...]`, the starting states.
-        steps: number of steps.
-        learning_rate: step size.
+        steps: number of steps (>= 0).
+        learning_rate: step size (> 0: a negative one climbs the energy).
         l1: None or a list (one weight per state, 0 for none) of L1
             weights on capsule lengths (the states' last axis).
         record: None or a function of the states whose value is kept
@@ -68,7 +71,14 @@ def descend(smooth_energy, states, steps, learning_rate, l1=None, record=None):
         third element, its values stacked `[steps + 1, ...]`.
     """
     states = [tf.convert_to_tensor(s) for s in states]
+    steps = check_integer(steps, "steps", minimum=0)
+    check_setting(learning_rate, "learning_rate", above=0)
     l1 = list(l1 or [0.0] * len(states))
+    if not states or len(l1) != len(states):
+        raise InputError(f"descend takes one or more states and one L1 weight per state. Received: {len(states)} "
+                         f"states, {len(l1)} L1 weights")
+    for weight in l1:
+        check_number(weight, "l1", minimum=0)
 
     def total(xs):
         energy = smooth_energy(xs)

@@ -9,10 +9,12 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import ops
 
 from poecaps import inference
 from poecaps.errors import InputError
+from poecaps.inference import descend, shrink
 from poecaps.models import CapsNet
 from poecaps.routing import DynamicRouting, SparseInferenceRouting
 
@@ -33,6 +35,28 @@ def test_toy_reaches_the_unique_minimiser(reading, penalty):
     trajectory, _ = inference.toy_states(penalty, reading)
     # slowest contraction 1 - 0.01 * 2 per step: 0.98^500 * (distance <= 5) < 2e-4
     np.testing.assert_allclose(trajectory[-1].numpy(), UNIQUE[reading, penalty], atol=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"learning_rate": -0.1}, "learning_rate must be a finite number > 0"),     # climbed the energy
+    ({"learning_rate": float("nan")}, "learning_rate must be a finite number > 0"),   # energies of NaN
+    ({"l1": [-1.0]}, "l1 must be a finite number >= 0"),                         # lengthened every capsule
+    ({"l1": [1.0, 1.0]}, "one L1 weight per state"),                            # the second weight was dropped
+    ({"steps": -1}, "steps must be an integer >= 0"),                            # failed in a TensorArray
+    ({"steps": 2.5}, "steps must be an integer >= 0"),
+])
+def test_descent_refuses_settings_that_would_not_minimise(kwargs, message):
+    """Each setting gave energies without a word (or failed inside TensorFlow) before; the proximal step refuses
+    a negative amount too. Zero steps still return the start."""
+    energy = lambda xs: tf.reduce_sum(tf.square(xs[0]), -1)
+    settings = {"steps": 3, "learning_rate": 0.1, **kwargs}
+    with pytest.raises(InputError, match=message):
+        descend(energy, [tf.ones((2, 3))], settings["steps"], settings["learning_rate"], settings.get("l1"))
+    with pytest.raises(InputError, match="amount must be a finite number >= 0"):
+        shrink(tf.ones((2, 3)), -1.0)
+    (start,), trace = descend(energy, [tf.ones((2, 3))], 0, 0.1)
+    np.testing.assert_array_equal(start.numpy(), 1.0)
+    np.testing.assert_array_equal(trace.numpy(), [[3.0, 3.0]])
 
 
 def test_toy_output_only_without_penalty_keeps_the_start_off_the_plane():
