@@ -205,6 +205,34 @@ def test_whole_network_inference_starts_at_the_feed_forward_pass(rng):
                                ops.convert_to_numpy(ops.sum(result["lengths"], -1)), rtol=1e-5)
 
 
+def test_capsnet_energy_is_appendix_cs_formula_in_numpy(rng):
+    """E(u, v) = |u - squash(primary(h))|^2 + sum_j |v_j - squash(c0 sum_i W_ij u_i)|^2 + kappa sum_j (|v_j| - y_j)^2
+    at states away from the feed-forward pass, against the formula written in float64 NumPy from the model's
+    kernel and primary capsules (c0 = 1/J, the uniform first round over the parents). float32 sums of a few
+    hundred terms of size ~1: rtol 1e-4 is about 100 ulps."""
+    model = _tiny_capsnet()
+    images = rng.uniform(size=(4, 12, 12, 1)).astype("float32")
+    h = model.conv1(images)
+    labels = np.array([0, 2, 1, 2])
+    energy, u0, predict = inference.capsnet_energy(model, h, tf.constant(labels), label_weight=0.7)
+    u = ops.convert_to_numpy(u0).astype("float64") + 0.3 * rng.normal(size=u0.shape)
+    v = 0.5 * rng.normal(size=(4, 3, 6))
+    found = ops.convert_to_numpy(energy([tf.constant(u, tf.float32), tf.constant(v, tf.float32)]))
+
+    def np_squash(z):
+        n2 = np.sum(z * z, -1, keepdims=True)
+        return z * np.sqrt(n2) / (1.0 + n2)
+
+    kernel = ops.convert_to_numpy(model.class_capsules.kernel).astype("float64")      # [I, J, D_out, D_in]
+    predicted = np_squash(np.einsum("ijoe,bie->bjo", kernel, u) / 3.0)
+    target = ops.convert_to_numpy(model.primary(model.primary_conv(h))).astype("float64")
+    expected = (np.sum((u - target) ** 2, axis=(1, 2)) + np.sum((v - predicted) ** 2, axis=(1, 2))
+                + 0.7 * np.sum((np.linalg.norm(v, axis=-1) - np.eye(3)[labels]) ** 2, axis=-1))
+    np.testing.assert_allclose(found, expected, rtol=1e-4)
+    np.testing.assert_allclose(ops.convert_to_numpy(predict(tf.constant(u, tf.float32))), predicted,
+                               rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"steps": -2}, r"steps must be an integer >= 0. Received: steps=-2"),
     ({"steps": 2.5}, r"steps must be an integer >= 0"),
