@@ -80,6 +80,24 @@ def test_epoch_batches_cover_each_epoch_once_in_a_seeded_order():
     assert not np.array_equal(epoch_order(3, 2, 21), epoch_order(3, 3, 21))
 
 
+_X = np.arange(10, dtype="float32")[:, None]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: EpochBatches((_X, np.arange(12)), 4, 0), "one first dimension"),   # y's last rows dropped silently
+    (lambda: EpochBatches((_X, np.arange(6)), 4, 0), "one first dimension"),    # an IndexError at the 2nd batch
+    (lambda: EpochBatches(_X, 4, 0), "one first dimension"),                    # each example read as an array
+    (lambda: EpochBatches((_X,), 2.5, 0), "batch_size must be an integer >= 1"),
+    (lambda: EpochBatches((_X,), 0, 0), "batch_size must be an integer >= 1"),  # ZeroDivisionError
+    (lambda: EpochBatches((_X,), 4, 1.5), "seed must be an integer >= 0"),      # read as seed 1's order
+    (lambda: epoch_order(1.5, 0, 10), "seed must be an integer >= 0"),
+    (lambda: epoch_order(1, -1, 10), "epoch must be an integer >= 0"),
+])
+def test_epoch_batches_refuse_arrays_and_settings_they_would_misread(make, message):
+    with pytest.raises(InputError, match=message):
+        make()
+
+
 @pytest.mark.parametrize("make, data", [(_capsule_trainer, "capsules"), (_sharded_capsule_trainer, "capsules"),
                                         (_rbm_trainer, "binary")])
 def test_resuming_mid_epoch_reaches_the_uninterrupted_weights(tmp_path, make, data, request):

@@ -35,8 +35,10 @@ from poecaps.validation import (
 
 
 def epoch_order(seed, epoch, size):
-    """The order in which epoch `epoch` visits `size` examples."""
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(size)
+    """The order in which epoch `epoch` visits `size` examples: a seed and an epoch (integers >= 0) and a size
+    (an integer >= 0), else an `InputError`, where `int` would truncate a seed of 1.5 to another run's order."""
+    seed, epoch = check_seed(seed), check_integer(epoch, "epoch", minimum=0)
+    return np.random.default_rng([seed, epoch]).permutation(check_integer(size, "size", minimum=0))
 
 
 class EpochBatches(keras.utils.PyDataset):
@@ -49,20 +51,30 @@ class EpochBatches(keras.utils.PyDataset):
     dataset cannot count epochs itself).
 
     Args:
-        arrays: one array (x) or two (x, y) with the same first dimension.
-        batch_size: examples per batch (the last batch of an epoch may be smaller).
-        seed: seed of the orders.
-        epoch: the epoch to start in.
+        arrays: a tuple or list of one array (x) or two (x, y) with the same
+            first dimension, at least one example.
+        batch_size: examples per batch, an integer >= 1 (the last batch of an
+            epoch may be smaller).
+        seed: seed of the orders, an integer >= 0.
+        epoch: the epoch to start in (>= 0).
         start: the step of `epoch` to start at.
+
+    Anything else is an `InputError`: a bare array would be read as one
+    array per example, a y longer than x would lose its last rows without a
+    word, and a float seed would be truncated.
     """
 
     def __init__(self, arrays, batch_size, seed, epoch=0, start=0):
         super().__init__()
-        self.arrays = arrays
-        self.batch_size = batch_size
-        self.seed = seed
+        if (not isinstance(arrays, (tuple, list)) or len(arrays) not in (1, 2)
+                or any(np.ndim(a) == 0 for a in arrays) or len({len(a) for a in arrays}) != 1):
+            shapes = [np.shape(a) for a in arrays] if isinstance(arrays, (tuple, list)) else type(arrays).__name__
+            raise InputError(f"arrays must be (x,) or (x, y) with one first dimension. Received: {shapes}")
+        self.arrays = tuple(arrays)
+        self.batch_size = check_integer(batch_size, "batch_size")
+        self.seed = check_seed(seed)
         self.size = len(arrays[0])
-        self.steps_per_epoch = -(-self.size // batch_size)
+        self.steps_per_epoch = -(-self.size // self.batch_size)
         if not 0 <= start < self.steps_per_epoch:
             raise InputError(f"start must be in [0, {self.steps_per_epoch}). Received: start={start}")
         self.epoch = epoch
