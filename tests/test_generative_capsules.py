@@ -57,6 +57,21 @@ def test_at_zero_concentration_the_vmf_is_the_uniform_distribution_on_the_sphere
     assert float(vmf.vmf_log_normalizer(tf.constant(0.0, tf.float32), d)) == pytest.approx(-np.log(area), rel=1e-6)
 
 
+def test_the_likelihoods_refuse_children_and_parents_of_other_batches():
+    """Children and parents of other batches or another count of children failed inside TensorFlow's einsum."""
+    layer = GenerativeCapsules(3, 4, 5, seed=0, dtype="float64", kappa=20.0, sigma=0.2)
+    rng = np.random.default_rng(0)
+    children, v = rng.normal(size=(2, 6, 5)), rng.normal(size=(2, 3, 4))
+    layer.infer(children)
+    for use in (layer.child_log_likelihoods, layer.posterior):
+        with pytest.raises(InputError, match=re.escape("v must be the parents' poses [batch = 2 (the children's), 3, "
+                                                       "4]. Received: shape=(1, 3, 4)")):
+            use(children, v[:1])
+        with pytest.raises(InputError, match="children"):
+            use(children[:, :1], v)
+    assert layer.child_log_likelihoods(children, v).shape == (2, 6, 3)
+
+
 def test_the_vmf_functions_refuse_what_they_would_misread():
     """Each of these gave a value without a word before: a negative Bessel order (0.438 where log I_-1.5(2) is
     -0.015, scipy's), one mu [d] read as d rows, a float seed truncated, a mu of another d broadcast; or failed
@@ -335,8 +350,8 @@ def test_inversion_takes_the_iterations_it_is_given_and_refuses_what_does_not_fi
             with pytest.raises(InputError, match=message):
                 use(children, np.ones(shape, "float32"))
     parents = np.zeros((2, 3, 4), "float32")
-    with pytest.raises(InputError, match=re.escape("v must be the parents' poses [batch, 3, 4]. Received: "
-                                                   "shape=(2, 4, 4)")):
+    with pytest.raises(InputError, match=re.escape("v must be the parents' poses [batch = 2 (the children's), 3, "
+                                                   "4]. Received: shape=(2, 4, 4)")):
         layer.posterior(children, np.zeros((2, 4, 4), "float32"))
     with pytest.raises(InputError, match=re.escape("r must be the posterior over the parents [batch, children, "
                                                    "parents] = [2, 6, 3]. Received: shape=(2, 6, 4)")):

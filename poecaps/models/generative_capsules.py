@@ -134,11 +134,12 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
                              f"shape={shape}")
         return tf.cast(activations, children.dtype)
 
-    def _check_parents(self, v):
-        """`InputError` unless `v` holds the parents' poses `[B, J, D_p]`."""
+    def _check_parents(self, v, batch=None):
+        """`InputError` unless `v` holds the parents' poses `[B, J, D_p]`, of the children's batch B if given."""
         shape = tuple(v.shape)
-        if not shape_fits(shape, (None, self.num_parents, self.parent_dim)):
-            raise InputError(f"v must be the parents' poses [batch, {self.num_parents}, {self.parent_dim}]. "
+        if not shape_fits(shape, (batch, self.num_parents, self.parent_dim)):
+            size = "batch" if batch is None else f"batch = {batch} (the children's)"
+            raise InputError(f"v must be the parents' poses [{size}, {self.num_parents}, {self.parent_dim}]. "
                              f"Received: shape={shape}")
 
     def _require_built(self):
@@ -162,7 +163,12 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
                 "log_pi": tf.nn.log_softmax(tf.cast(self.mix_logits, dtype), axis=-1)}
 
     def child_log_likelihoods(self, children, v, params=None):
-        """`log p(V_i | s_i = j, v)` `[B, I, J]` (`params`: `_parameters`, computed once per inference)."""
+        """`log p(V_i | s_i = j, v)` `[B, I, J]` (`params`: `_parameters`, computed once per inference).
+
+        Children `[B, I, D_c]` and parents `v [B, J, D_p]` of one batch, else an `InputError` (it failed inside
+        TensorFlow's einsum)."""
+        children = self._children(children)
+        self._check_parents(v, children.shape[0])
         params = params or self._parameters(children.dtype)
         u = self.predictions(v)
         u_len = tf.sqrt(tf.reduce_sum(tf.square(u), -1) + _TINY)
