@@ -25,6 +25,22 @@ def test_matrix_votes_are_pose_times_w(rng):
                 np.testing.assert_allclose(votes[b, i, j], expected.reshape(16), rtol=1e-5, atol=1e-6)
 
 
+def test_votes_refuse_an_unknown_pose_and_inputs_that_do_not_fit_the_kernel(rng):
+    """'vectors' was read as matrix poses (votes of the wrong product); inputs of another I or D_in failed inside
+    TensorFlow's einsum."""
+    poses, kernel = rng.normal(size=(2, 3, 16)).astype("float32"), rng.normal(size=(3, 4, 4, 4)).astype("float32")
+    with pytest.raises(InputError, match="pose must be one of 'vector', 'matrix'"):
+        capsule_votes(poses, kernel, "vectors")
+    for inputs, pose in ((poses[:, :1], "matrix"), (poses[..., :4], "matrix"), (poses, "vector")):
+        with pytest.raises(InputError, match=r"inputs \[B, I, D_in\] that fit the kernel \[3, 4, 4, 4\]"):
+            capsule_votes(inputs, kernel, pose)
+    # vector poses by hand: W_ij x_i with a 4 x 4 kernel on 4-D inputs; float32 sums of 4 products of standard
+    # normals (|products| summing to below ~20) differ by at most 4 * 2^-24 * 20 = 5e-6 in any order, either side
+    np.testing.assert_allclose(ops.convert_to_numpy(capsule_votes(poses[..., :4], kernel, "vector")),
+                               np.einsum("ijoe,bie->bijo", kernel.astype("float64"), poses[..., :4].astype("float64")),
+                               rtol=0, atol=1e-5)
+
+
 def test_capsule_patches_match_loops(rng):
     x = rng.normal(size=(2, 7, 6, 3, 5)).astype("float32")
     patches = ops.convert_to_numpy(capsule_patches(x, 3, 2))

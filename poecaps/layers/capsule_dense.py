@@ -76,7 +76,17 @@ def capsule_votes(inputs, kernel, pose="vector"):
 
     Vector poses (Sabour eq. 2): `u_{j|i} = W_ij x_i`. Matrix poses (Hinton
     et al. 2018): `V_ij = M_i W_ij` with 4x4 (P x P) matrices, flattened.
+    `pose` is one of `POSES` and the inputs fit the kernel (`[B, I, D_in]`
+    for `[I, J, D_out, D_in]`, `[B, I, P * P]` for `[I, J, P, P]`), else an
+    `InputError`: any other pose name was read as "matrix", and other
+    sizes failed inside TensorFlow's einsum.
     """
+    check_choice(pose, "pose", POSES)
+    inputs, kernel = ops.convert_to_tensor(inputs), ops.convert_to_tensor(kernel)
+    expected = (None, kernel.shape[0], input_pose_dim(kernel, pose)) if len(kernel.shape) == 4 else None
+    if expected is None or not shape_fits(tuple(inputs.shape), expected):
+        raise InputError(f"capsule_votes of {pose} poses takes inputs [B, I, D_in] that fit the kernel "
+                         f"{list(kernel.shape)}. Received: inputs of shape {list(inputs.shape)}")
     if pose == "vector":
         # [B, I, D_in] x [I, J, D_out, D_in] -> [B, I, J, D_out]
         return ops.einsum("bie,ijoe->bijo", inputs, kernel)
