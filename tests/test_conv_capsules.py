@@ -41,6 +41,16 @@ def test_votes_refuse_an_unknown_pose_and_inputs_that_do_not_fit_the_kernel(rng)
                                rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel_size, strides, message", [
+    (0, 1, "kernel_size must be an integer >= 1"),
+    (3, 0, "strides must be an integer >= 1"),     # ZeroDivisionError before
+    (2.5, 1, "kernel_size must be an integer >= 1"),
+])
+def test_capsule_patches_refuse_sizes_that_are_not_positive_integers(rng, kernel_size, strides, message):
+    with pytest.raises(InputError, match=message):
+        capsule_patches(rng.normal(size=(1, 5, 5, 2, 3)).astype("float32"), kernel_size, strides)
+
+
 def test_capsule_patches_match_loops(rng):
     x = rng.normal(size=(2, 7, 6, 3, 5)).astype("float32")
     patches = ops.convert_to_numpy(capsule_patches(x, 3, 2))

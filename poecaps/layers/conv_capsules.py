@@ -32,7 +32,13 @@ def _check_capsule_map(input_shape, layer):
 
 
 def capsule_patches(x, kernel_size, strides):
-    """`[B, H, W, T, ...]` -> `[B, H', W', K*K*T, ...]`, the K x K receptive fields (valid)."""
+    """`[B, H, W, T, ...]` -> `[B, H', W', K*K*T, ...]`, the K x K receptive fields (valid).
+
+    `kernel_size` K and `strides` are integers >= 1, else an `InputError` (0 divided by zero, a float failed in
+    `range`)."""
+    kernel_size, strides = check_integers(kernel_size=kernel_size, strides=strides)
+    if len(x.shape) < 4:
+        raise InputError(f"capsule_patches takes capsule maps [B, H, W, T, ...]. Received: shape={tuple(x.shape)}")
     h, w = x.shape[1], x.shape[2]
     out_h, out_w = (h - kernel_size) // strides + 1, (w - kernel_size) // strides + 1
     if out_h < 1 or out_w < 1:
