@@ -106,9 +106,10 @@ class CapsulePipeline:
     or does not divide the code's channels, built components that do not
     fit each other (the encoder reads, and the decoder writes, the `I`
     lower capsules of `capsule_dim` the code forms; the decoder reads the
-    encoder's `J` capsules of `D` or `D + 1`), and arrays that are not finite numbers of the shapes above (the code's
-    once the autoencoder is built, the encoder's J and D) are an `InputError`;
-    the arrays are checked whenever they are set.
+    encoder's `J` capsules of `D` or `D + 1`), and arrays that are not
+    finite numbers of the shapes above (the code's once the autoencoder is
+    built, the encoder's J and D) are an `InputError`; the arrays are
+    checked whenever they are set.
     """
 
     code_mean = _Statistic(lambda pipeline: getattr(pipeline.autoencoder, "code_shape", None), 3, "[H, W, C]")
