@@ -174,5 +174,12 @@ def load(name, split, data_dir=None, source=None):
 
 
 def to_float(images):
-    """uint8 images to float32 in [0, 1]."""
+    """uint8 images to float32 in [0, 1]: `images / 255`.
+
+    Anything but a uint8 array is an `InputError`: float images (already in [0, 1], say) would be divided by
+    255 again without a word.
+    """
+    if not isinstance(images, np.ndarray) or images.dtype != np.uint8:
+        received = images.dtype if isinstance(images, np.ndarray) else type(images).__name__
+        raise InputError(f"to_float takes uint8 images (0 to 255), as the loaders return them. Received: {received}")
     return images.astype(np.float32) / 255.0

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from poecaps import data
+from poecaps.errors import InputError
 
 
 def _write_idx(path, array):
@@ -159,3 +160,13 @@ def test_system_location_is_used_when_present(idx_dir, monkeypatch):
     monkeypatch.setattr(data, "SYSTEM_DIRS", {"mnist": [], "fashion_mnist": [str(idx_dir)]})
     _, _, source = data.load_arrays("fashion_mnist", "train")
     assert source == f"system:{os.fspath(idx_dir)}"
+
+
+def test_to_float_scales_uint8_images_and_refuses_others():
+    """Float images were divided by 255 again without a word (an image in [0, 1] became one in [0, 0.004])."""
+    from poecaps.data import to_float
+
+    np.testing.assert_array_equal(to_float(np.array([[0, 51, 255]], np.uint8)), np.float32([[0.0, 0.2, 1.0]]))
+    for images in (np.float32([[0.0, 0.5, 1.0]]), np.array([[0, 255]], np.int64), [[0, 255]]):
+        with pytest.raises(InputError, match="to_float takes uint8 images"):
+            to_float(images)
