@@ -14,7 +14,7 @@ import sys
 from poecaps.errors import PoecapsError
 from poecaps.experiments import presets
 from poecaps.experiments.runs import config_to_resume
-from poecaps.experiments.settings import parse_assignment, specs, with_values
+from poecaps.experiments.settings import SettingError, parse_assignment, specs, with_values
 
 DEFAULT_RUN_DIR = os.path.join("runs", "default")
 
@@ -109,9 +109,19 @@ def add_set_flag(p, *config_classes):
 
 
 def flag_values(args, names):
-    """`{field: text}` of the flags among `names` that were given, then of every `--set FIELD=VALUE`, in order."""
+    """`{field: text}` of the flags among `names` that were given, then of every `--set FIELD=VALUE`, in order.
+
+    A field given twice with two values (`--seed 3 --set seed=4`, or `--set` twice) is a `SettingError` naming
+    both: which one would win is not what the order on the command line says (a flag is read before every
+    `--set`), so neither is taken silently. The same value twice passes.
+    """
     values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    values.update(parse_assignment(text) for text in getattr(args, "set", None) or ())
+    given = {name: f"--{name.replace('_', '-')} {value}" for name, value in values.items()}
+    for text in getattr(args, "set", None) or ():
+        name, value = parse_assignment(text)
+        if name in values and values[name] != value:
+            raise SettingError(f"{name} is given twice, as {given[name]} and --set {text}; give it once.")
+        values[name], given[name] = value, f"--set {text}"
     return values
 
 

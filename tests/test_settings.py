@@ -159,7 +159,7 @@ def test_baseline_presets_count_routing_rounds():
 
 
 def test_config_from_args_applies_shortcuts_then_set_and_records_them():
-    args = argparse.Namespace(preset="hauser2019", set=["decoder_rule=delta", "seed=4"], seed="2",
+    args = argparse.Namespace(preset="hauser2019", set=["decoder_rule=delta"], seed="4",
                               dataset="mnist", data_dir=None, limit=None)
     config, record = cli.config_from_args("layerwise", args, ("seed", "dataset", "data_dir", "limit"))
     assert config == dataclasses.replace(presets.get("layerwise", "hauser2019"), decoder_rule="delta", seed=4,
@@ -175,7 +175,7 @@ def test_a_research_scripts_flags_and_set_reach_its_config():
     cli.add_config_flags(p, GenerativeConfig, ("epochs", "seed"))
     cli.add_set_flag(p, GenerativeConfig)
     args = p.parse_args(["--epochs", "3", "--set", "iterations=4", "--set", "learning_rate=1e-2", "--set", "seed=7",
-                         "--seed", "2"])
+                         "--seed", "7"])
     config = cli.config_from_flags(GenerativeConfig, args)
     assert config == dataclasses.replace(GenerativeConfig(), epochs=3, iterations=4, learning_rate=0.01, seed=7)
     assert "  iterations = 10: EM iterations of every inference (an integer >= 1)" in p.format_help()
@@ -216,3 +216,17 @@ def test_a_true_or_false_flag_alone_means_true_and_takes_a_word():
     cli.add_shortcuts(shortcut, "layerwise", ("persistent",))
     config, record = cli.config_from_args("layerwise", shortcut.parse_args(["--persistent"]), ("persistent",))
     assert config.persistent is True and record["overrides"] == {"persistent": True}
+
+
+def test_a_setting_given_twice_with_two_values_is_refused_naming_both():
+    """`--seed 3 --set seed=4` took the --set value whatever the order on the line (flags are read first), and
+    `--set` twice took the last; both are SettingErrors now. The same value twice, and distinct fields, pass."""
+    args = argparse.Namespace(seed="3", epochs=None, set=["seed=4"])
+    with pytest.raises(SettingError, match=re.escape("seed is given twice, as --seed 3 and --set seed=4")):
+        cli.flag_values(args, ["seed", "epochs"])
+    args = argparse.Namespace(set=["batch-size=8", "batch_size=16"])
+    with pytest.raises(SettingError, match=re.escape("batch_size is given twice, as --set batch-size=8 and --set "
+                                                     "batch_size=16")):
+        cli.flag_values(args, [])
+    args = argparse.Namespace(seed="3", epochs="2", set=["seed=3", "lr=0.1"])
+    assert cli.flag_values(args, ["seed", "epochs"]) == {"seed": "3", "epochs": "2", "lr": "0.1"}
