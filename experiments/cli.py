@@ -111,17 +111,19 @@ def add_set_flag(p, *config_classes):
 def flag_values(args, names):
     """`{field: text}` of the flags among `names` that were given, then of every `--set FIELD=VALUE`, in order.
 
-    A field given twice with two values (`--seed 3 --set seed=4`, or `--set` twice) is a `SettingError` naming
-    both: which one would win is not what the order on the command line says (a flag is read before every
-    `--set`), so neither is taken silently. The same value twice passes.
+    `--set` given twice for one field takes the last, as the line reads. A field given both by its flag and by
+    `--set` with two values (`--seed 3 --set seed=4`) is a `SettingError` naming both: the flag is read before
+    every `--set` wherever it stands on the line, so which would win is not what the line says. The same value
+    twice passes.
     """
-    values = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    given = {name: f"--{name.replace('_', '-')} {value}" for name, value in values.items()}
+    flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    values = dict(flags)
     for text in getattr(args, "set", None) or ():
         name, value = parse_assignment(text)
-        if name in values and values[name] != value:
-            raise SettingError(f"{name} is given twice, as {given[name]} and --set {text}; give it once.")
-        values[name], given[name] = value, f"--set {text}"
+        if name in flags and flags[name] != value:
+            raise SettingError(f"{name} is given twice, as --{name.replace('_', '-')} {flags[name]} and --set "
+                               f"{text}; give it once.")
+        values[name] = value
     return values
 
 
