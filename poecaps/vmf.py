@@ -62,17 +62,23 @@ def _log_bessel_debye(order, x):
 
 
 def log_bessel_i(order, x):
-    """`log I_order(x)` for `x > 0` (any shape, float64 inside), `order >= 0` a Python number (an `InputError`
+    """`log I_order(x)` for `x >= 0` (any shape, float64 inside), `order >= 0` a Python number (an `InputError`
     otherwise: the series and Debye's expansion hold for orders >= 0 only; at -1.5 they gave 0.438 where
-    `log I_-1.5(2)` is -0.015)."""
+    `log I_-1.5(2)` is -0.015).
+
+    At x = 0, `I_0(0) = 1` and `I_v(0) = 0` for v > 0, so the value is 0 or -inf (the series' first term,
+    `0 log 0`, gave NaN); its gradient there is taken as 0, which is exact for order 0. A negative x gives NaN.
+    """
     order = check_number(order, "order", minimum=0)
     dtype = x.dtype if hasattr(x, "dtype") else tf.float64
     x = tf.cast(x, tf.float64)
     large = x > ASYMPTOTIC_FROM
+    zero = x == 0
     # each branch sees only inputs it is exact for, so neither gives a non-finite value or gradient
-    series = _log_bessel_series(order, tf.minimum(x, ASYMPTOTIC_FROM))
+    series = _log_bessel_series(order, tf.minimum(tf.where(zero, tf.ones_like(x), x), ASYMPTOTIC_FROM))
     debye = _log_bessel_debye(order, tf.maximum(x, ASYMPTOTIC_FROM))
-    return tf.cast(tf.where(large, debye, series), dtype)
+    at_zero = tf.constant(0.0 if order == 0 else -math.inf, tf.float64)
+    return tf.cast(tf.where(zero, at_zero, tf.where(large, debye, series)), dtype)
 
 
 def vmf_log_normalizer(kappa, d):

@@ -98,6 +98,27 @@ def test_the_vmf_functions_refuse_what_they_would_misread():
     np.testing.assert_allclose(np.linalg.norm(draws.numpy(), axis=-1), 1.0, rtol=1e-12)
 
 
+def test_log_bessel_at_zero_is_scipys_limit():
+    """`log I_v(0)`: 0 for v = 0 and -inf for v > 0, as scipy's `iv(v, 0)` (1 and 0) gives; the series' first
+    term `0 log 0` gave NaN. At 0 the gradient of `log I_0` is `I_1(0) / I_0(0) = 0`, and a zero beside other
+    points leaves theirs as they were."""
+    x = tf.constant([0.0, 0.5, 0.0, 3.0], tf.float64)
+    for order in (0.0, 0.5, 1.5, 7.0):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            got = vmf.log_bessel_i(order, x)
+        gradient = tape.gradient(got, x).numpy()
+        with np.errstate(divide="ignore"):                      # log 0 = -inf is the reference's value
+            reference = np.log(special.iv(order, x.numpy()))
+        np.testing.assert_array_equal(got.numpy()[[0, 2]], reference[[0, 2]])
+        np.testing.assert_allclose(got.numpy()[[1, 3]], reference[[1, 3]], rtol=1e-13)
+        slope = special.iv(order + 1, x.numpy()[[1, 3]]) / special.iv(order, x.numpy()[[1, 3]])
+        np.testing.assert_allclose(gradient[[1, 3]], slope + order / x.numpy()[[1, 3]], rtol=1e-10)
+        if order == 0:
+            np.testing.assert_array_equal(gradient[[0, 2]], [0.0, 0.0])
+    assert float(vmf.log_bessel_i(0, np.float32(0))) == 0.0
+
+
 @pytest.mark.parametrize("d", [2, 3, 8, 16, 100])
 def test_log_bessel_and_the_normaliser_hold_at_any_concentration(d):
     """`log I_(d/2-1)(kappa)` against scipy's scaled Bessel function (`log ive + kappa`) from kappa = 1e-3 to
