@@ -55,11 +55,16 @@ def parser(description, kind=None, default_preset=None, run_dir_default=DEFAULT_
     return p
 
 
+def shortcut_specs(kind, names):
+    """`{name: Spec}` of the settings `names` of a run `kind`, in the order given."""
+    declared = specs(presets.get(kind, next(iter(presets.names(kind)))))
+    return {name: declared[name] for name in names}
+
+
 def add_shortcuts(p, kind, names):
     """Flags `--name` for the settings of a run `kind` users change most; each is `--set name=VALUE`."""
-    declared = specs(presets.get(kind, next(iter(presets.names(kind)))))
-    for name in names:
-        _add_flag(p, name, declared[name], f"{declared[name].help} (--set {name}=VALUE)")
+    for name, spec in shortcut_specs(kind, names).items():
+        _add_flag(p, name, spec, f"{spec.help} (--set {name}=VALUE)")
 
 
 def config_from_args(kind, args, shortcuts=()):
@@ -69,7 +74,7 @@ def config_from_args(kind, args, shortcuts=()):
     "overrides"}`, the overrides as checked values. With `--resume` the
     run's own settings take the preset's place (`runs.config_to_resume`).
     """
-    values = flag_values(args, shortcuts)
+    values = flag_values(args, shortcut_specs(kind, shortcuts))
     if getattr(args, "resume", False):
         return config_to_resume(args.run_dir, kind, args.preset, values)
     return presets.configured(kind, args.preset, values)
@@ -114,17 +119,31 @@ def flag_values(args, names):
     `--set` given twice for one field takes the last, as the line reads. A field given both by its flag and by
     `--set` with two values (`--seed 3 --set seed=4`) is a `SettingError` naming both: the flag is read before
     every `--set` wherever it stands on the line, so which would win is not what the line says. The same value
-    twice passes.
+    twice passes; with `names` a `{field: Spec}` mapping (`settings.specs`), "same" is as the setting reads the
+    text (`--jit-cd` and `--set jit_cd=True`, `--lr 0.1` and `--set lr=0.10`), else as text.
     """
+    declared = names if isinstance(names, dict) else {}
     flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
     values = dict(flags)
     for text in getattr(args, "set", None) or ():
         name, value = parse_assignment(text)
-        if name in flags and flags[name] != value:
+        if name in flags and not _same_value(declared.get(name), name, flags[name], value):
             raise SettingError(f"{name} is given twice, as --{name.replace('_', '-')} {flags[name]} and --set "
                                f"{text}; give it once.")
         values[name] = value
     return values
+
+
+def _same_value(spec, name, first, second):
+    """Whether two texts give setting `name` one value: as `spec` parses them, or as text without a spec."""
+    if first == second:
+        return True
+    if spec is None:
+        return False
+    try:
+        return spec.parse(name, first) == spec.parse(name, second)
+    except SettingError:                 # one of them is no value of the setting: not the same
+        return False
 
 
 def config_from_flags(config_cls, args, **values):

@@ -134,7 +134,7 @@ def _compare_routing(argv=None):
     from poecaps.experiments.routing_comparison import compare_routing  # TensorFlow: after --help
     from poecaps.experiments.settings import with_values
 
-    settings = cli.flag_values(args, shortcuts)
+    settings = cli.flag_values(args, cli.shortcut_specs("baseline", shortcuts))
     evaluation = with_values(BaselineEvaluationConfig(), {} if args.test_limit is None else
                              {"test_limit": args.test_limit})
     _, table = _quietly(lambda: compare_routing(args.run_dir, settings, args.row, evaluation))
@@ -215,7 +215,8 @@ def _probabilistic_capsules(argv=None):
     p.add_argument("--resume", action="store_true", help=RESUME_HELP)
     p.add_argument("--evaluate-only", action="store_true", help="skip training; evaluate --run-dir")
     args = p.parse_args(argv)
-    settings = cli.flag_values(args, PROBABILISTIC_FLAGS)
+    declared = {**specs(ProbabilisticEvaluationConfig), **specs(ProbabilisticTrainConfig)}
+    settings = cli.flag_values(args, {name: declared[name] for name in PROBABILISTIC_FLAGS})
     train, _ = probabilistic_configs(settings, args.evaluate_only)       # checked before TensorFlow (text parsed)
     if not args.evaluate_only and not args.resume and not train.data_dir:      # resumed: the run's own
         p.error("--data-dir (a folder of MNIST IDX files) is required to train")

@@ -229,3 +229,25 @@ def test_a_setting_given_twice_with_two_values_is_refused_naming_both():
     assert cli.flag_values(args, []) == {"batch_size": "16"}
     args = argparse.Namespace(seed="3", epochs="2", set=["seed=3", "lr=0.1"])
     assert cli.flag_values(args, ["seed", "epochs"]) == {"seed": "3", "epochs": "2", "lr": "0.1"}
+
+
+def test_a_setting_given_by_flag_and_set_in_two_spellings_of_one_value_passes():
+    """`--persistent` (read as the text "true") with `--set persistent=True`, or `--cd-learning-rate 0.1` with
+    `--set cd_learning_rate=0.10`, give one value: they were refused as two because the texts were compared.
+    Two values in any spelling (`--persistent` with `--set persistent=no`) are still refused."""
+    p = cli.parser("layer-wise", kind="layerwise", default_preset="default")
+    cli.add_shortcuts(p, "layerwise", ("persistent", "cd_learning_rate"))
+    names = ("persistent", "cd_learning_rate")
+    config, _ = cli.config_from_args("layerwise", p.parse_args(
+        ["--persistent", "--set", "persistent=True", "--cd-learning-rate", "0.1", "--set", "cd_learning_rate=0.10"]),
+        names)
+    assert config.persistent is True and config.cd_learning_rate == 0.1
+    with pytest.raises(SettingError, match=re.escape("persistent is given twice, as --persistent true and --set "
+                                                     "persistent=no")):
+        cli.config_from_args("layerwise", p.parse_args(["--persistent", "--set", "persistent=no"]), names)
+    with pytest.raises(SettingError, match="cd_learning_rate is given twice"):
+        cli.config_from_args("layerwise", p.parse_args(["--cd-learning-rate", "0.1", "--set",
+                                                        "cd_learning_rate=0.2"]), names)
+    with pytest.raises(SettingError, match="cd_learning_rate is given twice"):     # not a number: not the same
+        cli.config_from_args("layerwise", p.parse_args(["--cd-learning-rate", "0.1", "--set",
+                                                        "cd_learning_rate=x"]), names)
