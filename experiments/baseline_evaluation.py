@@ -15,6 +15,7 @@ from poecaps.experiments.settings import config_or_default
 from poecaps.graphs import graph
 from poecaps.metrics import hoyer_sparsity
 from poecaps.models.saving import load_component
+from poecaps.validation import check_integer
 
 ROTATIONS = (0, 45, 90, 135, 180)
 
@@ -34,7 +35,13 @@ def compiled_predictor(model, jit_compile=False):
 
 
 def predict_in_batches(predict, images, batch_size):
-    """`predict` over batches of one size (the last padded with zeros, dropped again)."""
+    """`predict` over batches of one size (the last padded with zeros, dropped again): `batch_size` an integer
+    >= 1, `images` at least one (an `InputError` otherwise: a zero batch size failed in `range`, and no images
+    gave no outputs to unpack)."""
+    batch_size = check_integer(batch_size, "batch_size")
+    if len(images) == 0:
+        raise InputError(f"images is empty; predict_in_batches needs at least one. Received: shape "
+                         f"{np.shape(images)}")
     batch_size = min(batch_size, len(images))
     results = []
     for start in range(0, len(images), batch_size):
@@ -61,9 +68,18 @@ def coefficient_entropy(coefficients, normalizes="parents"):
 
     `normalizes="parents"`: `-sum_j c_ij log c_ij` averaged over examples and
     children, over log J; "children": `-sum_i c_ij log c_ij` averaged over
-    examples and parents, over log I. 1 means uniform coefficients.
+    examples and parents, over log I. 1 means uniform coefficients. Any other
+    `normalizes`, coefficients not `[N, I, J]`, or one capsule along the axis
+    (entropy over log 1) is an `InputError`.
     """
+    if normalizes not in ("parents", "children"):
+        raise InputError(f"normalizes must be 'parents' or 'children' (a router's `normalizes`). "
+                         f"Received: {normalizes!r}")
+    coefficients = np.asarray(coefficients)
     axis = -1 if normalizes == "parents" else -2
+    if coefficients.ndim != 3 or coefficients.shape[axis] < 2:
+        raise InputError(f"coefficients must be [N, I, J] with at least two {normalizes} (the axis they sum "
+                         f"to 1 over). Received: shape {coefficients.shape}")
     c = np.clip(coefficients, 1e-12, 1.0)
     entropy = float(np.mean(-np.sum(c * np.log(c), axis=axis)))
     return entropy, entropy / float(np.log(coefficients.shape[axis]))

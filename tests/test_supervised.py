@@ -245,3 +245,48 @@ def test_compiled_batched_prediction_equals_the_eager_model(rng, make, jit_compi
     np.testing.assert_allclose(scores, ops.convert_to_numpy(eager["scores"]), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(coefficients, ops.convert_to_numpy(eager["coefficients"]),
                                rtol=1e-4, atol=1e-6)
+
+
+def test_batched_prediction_refuses_a_batch_size_below_one_and_no_images():
+    """Batches of 0 failed inside `range`; no images gave nothing to unpack (a ValueError from the caller).
+    A batch size above the number of images takes them all in one batch."""
+    from poecaps.experiments.baseline_evaluation import predict_in_batches
+
+    calls = []
+
+    def predict(batch):
+        calls.append(len(batch))
+        return batch.sum(axis=(1, 2)), batch[:, 0]
+
+    images = np.arange(12, dtype="float32").reshape(3, 2, 2)
+    sums, firsts = predict_in_batches(predict, images, 10)
+    np.testing.assert_array_equal(sums, [6.0, 22.0, 38.0])
+    np.testing.assert_array_equal(firsts, images[:, 0])
+    assert calls == [3]
+    for batch_size in (0, -1, 2.5):
+        with pytest.raises(InputError, match="batch_size must be an integer >= 1"):
+            predict_in_batches(predict, images, batch_size)
+    with pytest.raises(InputError, match="images is empty"):
+        predict_in_batches(predict, images[:0], 4)
+
+
+def test_coefficient_entropy_by_hand_and_its_refusals():
+    """The mean entropy along the router's axis over its log, by hand: a uniform row over J = 4 parents gives
+    log 4 and 1, a one-hot row 0; over the children axis a [2, 2] block of columns (0.5, 0.5) and (1, 0) gives
+    (log 2 + 0) / 2. A `normalizes` other than the two names was read as "children"; coefficients that are not
+    [N, I, J] or have one capsule on the axis (entropy over log 1 = 0/0) gave a number or NaN."""
+    from poecaps.experiments.baseline_evaluation import coefficient_entropy
+
+    # zeros are clipped to 1e-12 before the log: each adds 1e-12 * 27.6 nats, hence the tolerance
+    rows = np.array([[[0.25, 0.25, 0.25, 0.25], [1.0, 0.0, 0.0, 0.0]]])          # [1, 2, 4]
+    entropy, over_log = coefficient_entropy(rows, "parents")
+    assert entropy == pytest.approx(np.log(4) / 2, abs=1e-10) and over_log == pytest.approx(0.5, abs=1e-10)
+    columns = np.array([[[0.5, 1.0], [0.5, 0.0]]])                                # [1, I=2, J=2]
+    entropy, over_log = coefficient_entropy(columns, "children")
+    assert entropy == pytest.approx(np.log(2) / 2, abs=1e-10) and over_log == pytest.approx(0.5, abs=1e-10)
+    with pytest.raises(InputError, match="normalizes must be 'parents' or 'children'"):
+        coefficient_entropy(columns, "child")
+    with pytest.raises(InputError, match=r"coefficients must be \[N, I, J\]"):
+        coefficient_entropy(rows[0], "parents")
+    with pytest.raises(InputError, match="at least two children"):
+        coefficient_entropy(rows[:, :1], "children")
