@@ -893,7 +893,10 @@ def test_latents_that_do_not_fit_the_model_are_refused_by_name():
             "render": (lambda x, *z: model.render(*z[2:]), names[2:]),
             "call": (lambda x, *z: model(*z[2:]), names[2:]),
             "top_log_prior": (lambda x, *z: model.top_log_prior(*z[:2]), names[:2]),
-            "image_log_likelihood": (lambda x, *z: model.image_log_likelihood(x, *z[2:]), ["images", *names[2:]])}
+            "image_log_likelihood": (lambda x, *z: model.image_log_likelihood(x, *z[2:]), ["images", *names[2:]]),
+            "parent_log_weights": (lambda x, *z: model.parent_log_weights(z[0]), names[:1]),
+            "predicted_part_poses": (lambda x, *z: model.predicted_part_poses(z[1]), names[1:2]),
+            "part_log_likelihoods": (lambda x, *z: model.part_log_likelihoods(*z[1:]), names[1:])}
     for use, checked in uses.values():
         use(images, *latents)
         for name in checked:
@@ -905,8 +908,12 @@ def test_latents_that_do_not_fit_the_model_are_refused_by_name():
         given = [images, *latents]
         first = ["images", *names].index(checked[0])
         given[first] = tf.concat([given[first], given[first][:1]], axis=0)
-        with pytest.raises(InputError, match="must share one batch size"):
-            use(*given)
+        if len(checked) > 1:
+            with pytest.raises(InputError, match="must share one batch size"):
+                use(*given)
+    # one presence for every part was broadcast by part_log_likelihoods, without a word
+    with pytest.raises(InputError, match=re.escape("part_presence must be [batch, 4]")):
+        model.part_log_likelihoods(latents[1], latents[2][:, :1], latents[3])
     signature = [tf.TensorSpec([None, *t.shape[1:]]) for t in [images, *latents]]
     assert tuple(tf.function(model.log_prob, input_signature=signature)(images, *latents).shape) == (2,)
     for batch_size in (0, -1, 2.5, True):

@@ -161,6 +161,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
     # -- the layers of the model ---------------------------------------------------------------------------
     def parent_log_weights(self, top_presence):
         """`log pi_ij [B, N, K + 1]` of eq. 3 (the dummy, index 0, always on)."""
+        self._check_latents(top_presence=top_presence)
         on = tf.concat([tf.ones_like(top_presence[:, :1]), top_presence], axis=1)        # [B, K + 1]
         weights = self.bindings()[None] * on[:, :, None]                               # [B, K + 1, N]
         log_w = tf.math.log(tf.maximum(weights, 1e-30))
@@ -168,6 +169,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
 
     def predicted_part_poses(self, top_pose):
         """Eq. 5's means `[B, N, K + 1, 6]`: `(I + A_i) M_ij` for each top capsule, I for the dummy."""
+        self._check_latents(top_pose=top_pose)
         identity = tf.constant(_IDENTITY, top_pose.dtype)
         parents = compositing.homogeneous(top_pose + identity)                                 # [B, K, 3, 3]
         # [B, K, 3, 3] x [K, N, 3, 3] -> [B, N, K, 3, 3]: P_i M_ij
@@ -177,6 +179,7 @@ class ProbabilisticCapsules(distribute.FullPrecision, keras.layers.Layer):
 
     def part_log_likelihoods(self, top_pose, part_presence, part_pose):
         """`log f_ij [B, N, K + 1]`: each part's presence and pose under each parent choice (eq. 4-6)."""
+        self._check_latents(top_pose=top_pose, part_presence=part_presence, part_pose=part_pose)
         t = part_presence[:, :, None]
         presence = concrete.log_prob(t, tf.transpose(self.presence_logits)[None], self.temperature)
         pose = (part_pose + tf.constant(_IDENTITY, part_pose.dtype))[:, :, None, :]             # P_j [B, N, 1, 6]
