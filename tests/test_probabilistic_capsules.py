@@ -436,6 +436,27 @@ def test_refine_and_mean_bound_check_the_parameters_and_draws_they_are_given():
         model.encode_top(tf.ones((2, 4)), tf.ones((3, 4, 6)))
 
 
+def test_refine_and_mean_bound_refuse_values_that_are_not_finite():
+    """A NaN pixel, or a NaN parameter, made every refined parameter and bound NaN without a word; both are
+    InputErrors naming the array now. Finite values still refine to finite ones."""
+    model = _tiny_autoencoder()
+    images = np.random.default_rng(2).uniform(size=(2, 12, 12, 1)).astype("float32")
+    start = model.variational_parameters(images)
+    refined = model.refine(images, 2, parameters=start)
+    assert all(np.isfinite(v.numpy()).all() for v in refined.values())
+    broken = images.copy()
+    broken[1, 3, 4, 0] = np.nan
+    with pytest.raises(InputError, match=r"images holds 1 NaN or infinite pixels"):
+        model.refine(broken, 2)
+    with pytest.raises(InputError, match=r"images holds 1 NaN or infinite pixels"):
+        model.mean_bound(broken, start)
+    pose = start["top_pose"].numpy()
+    pose[0, 0, 0] = np.inf
+    for call in (lambda p: model.refine(images, 2, parameters=p), lambda p: model.mean_bound(images, p)):
+        with pytest.raises(InputError, match=r"parameters\['top_pose'\] holds 1 NaN or infinite values"):
+            call({**start, "top_pose": tf.constant(pose)})
+
+
 def test_refine_by_plain_gradient_ascent_takes_the_bounds_gradient_step():
     model = _tiny_autoencoder()
     images = tf.constant(np.random.default_rng(3).uniform(size=(3, 12, 12, 1)).astype("float32"))

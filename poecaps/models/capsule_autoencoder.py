@@ -154,6 +154,7 @@ from poecaps.layers import AttentionPooling, InducedSetAttention
 from poecaps.models.probabilistic_capsules import ProbabilisticCapsules
 from poecaps.validation import (
     check_choice,
+    check_finite,
     check_flag,
     check_image_batch,
     check_integer,
@@ -204,6 +205,16 @@ def presence_information(top_logits):
 
 
 OPTIMIZERS = ("adam", "sgd")
+
+
+def _check_finite_values(images, parameters):
+    """Run eagerly, an `InputError` unless the images and the parameters (a dict, or None) are all finite: a NaN
+    pixel made every refined parameter and bound NaN without a word. In a traced call, nothing."""
+    if not tf.executing_eagerly():
+        return
+    check_finite(ops.convert_to_numpy(images), "images", "pixels")
+    for name, value in (parameters or {}).items():
+        check_finite(ops.convert_to_numpy(value), f"parameters[{name!r}]")
 
 
 def _ascent(model, images, values, names, steps, learning_rate, seed, optimizer, beta1=0.9, beta2=0.999, eps=1e-8):
@@ -474,6 +485,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         draws = check_integer(draws, "draws")
         check_image_batch(images, self.generative.image_size, type(self).__name__)
         self._check_parameters(images, parameters)
+        _check_finite_values(images, parameters)
         seeds = tf.random.experimental.stateless_split(tf.constant([check_seed(seed), 1], tf.int64), draws)
         total = 0.0
         for d in range(draws):
@@ -510,6 +522,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         check_image_batch(images, self.generative.image_size, type(self).__name__)
         if parameters is not None:
             self._check_parameters(images, parameters)
+        _check_finite_values(images, parameters)
         start = self.variational_parameters(images) if parameters is None else parameters
         names = ["part_logits", "part_pose"] if parts_only else sorted(start)
         found = dict(zip(names, _ascent(self, images, [tf.convert_to_tensor(start[n]) for n in names], names,
