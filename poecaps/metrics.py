@@ -268,8 +268,8 @@ def class_selectivity(activity, labels, classes):
         `mean_spread`, and `classes_preferred` (distinct preferred classes).
     """
     activity, labels = np.asarray(activity), np.asarray(labels)
-    if activity.ndim != 2 or len(activity) != len(labels):
-        raise InputError(f"class_selectivity needs activity [N, J] and labels [N]. "
+    if activity.ndim != 2 or len(activity) != len(labels) or 0 in activity.shape:
+        raise InputError(f"class_selectivity needs activity [N, J] and labels [N], N and J > 0. "
                          f"Received shapes {activity.shape} and {labels.shape}")
     labels = check_labels(labels, classes, len(activity))     # one would be left out, or fail inside NumPy
     check_finite(activity, "activity")

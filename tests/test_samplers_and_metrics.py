@@ -262,6 +262,10 @@ def test_class_selectivity_hand_computed():
     assert result["classes_preferred"] == 2
     with pytest.raises(InputError, match="activity"):
         metrics.class_selectivity(activity[:, 0], labels, classes=4)
+    # no examples failed inside NumPy's min; no units gave a NaN mean spread with a RuntimeWarning
+    for empty, empty_labels in ((activity[:0], labels[:0]), (activity[:, :0], labels)):
+        with pytest.raises(InputError, match=re.escape("activity [N, J] and labels [N], N and J > 0")):
+            metrics.class_selectivity(empty, empty_labels, classes=4)
 
 
 def test_keep_longest_hand_computed():
