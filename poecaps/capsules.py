@@ -37,7 +37,9 @@ def squash(z, axis=-1):
     squash(z) = |z|^2 / (1 + |z|^2) * z / |z| = z |z| / (1 + |z|^2)
 
     computed in the second form, which needs no epsilon: exact at every
-    length, 0 at 0 with gradient 0. The length of the result is
+    length whose square the dtype holds (|z| below about 1.8e19 in float32;
+    beyond it `|z|^2` overflows and the result is NaN), 0 at 0 with
+    gradient 0. The length of the result is
     `P(capsule on)` (Hauser eq. 5, 12-13).
     """
     sq = ops.sum(ops.square(z), axis=axis, keepdims=True)
