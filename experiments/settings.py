@@ -110,7 +110,8 @@ class Spec:
         return value
 
     def parse(self, name, text):
-        """The value that command-line `text` stands for, checked."""
+        """The value that command-line `text` stands for, checked; a refusal shows the text as typed (1e400,
+        not the inf it reads as)."""
         if not isinstance(text, str):
             return self.check(name, text)
         stripped = text.strip()
@@ -126,7 +127,11 @@ class Spec:
             value = int(stripped) if self.kind is int else float(stripped)
         except ValueError:
             self._fail(name, text)
-        return self.check(name, value)
+        try:
+            return self.check(name, value)
+        except SettingError:
+            pass
+        raise SettingError(f"{name} must be {self.describe()}. Received: {name}={stripped}")
 
     def _fail(self, name, value):
         raise SettingError(f"{name} must be {self.describe()}. Received: {name}={value!r}")

@@ -248,7 +248,7 @@ def test_bad_input_in_a_script_is_one_line_without_a_stack_trace(tmp_path):
         [sys.executable, "scripts/baseline.py", "--set", "learning_rate=-1", "--run-dir", str(tmp_path)],
         check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert "error: learning_rate must be a finite number > 0. Received: learning_rate=-1.0" in result.stderr
+    assert "error: learning_rate must be a finite number > 0. Received: learning_rate=-1\n" in result.stderr
     assert "Traceback" not in result.stderr
 
 

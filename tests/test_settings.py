@@ -76,7 +76,9 @@ def test_numpy_numbers_are_taken_as_python_numbers_and_the_config_stays_json():
 @pytest.mark.parametrize("values, message", [
     ({"num_capsules": "0"}, "num_capsules must be an integer >= 1. Received: num_capsules=0"),
     ({"num_capsules": "2.5"}, "num_capsules must be an integer >= 1. Received: num_capsules='2.5'"),
-    ({"dropout": "1"}, "dropout must be a finite number >= 0 and < 1. Received: dropout=1.0"),
+    # a number out of range is shown as typed, not as read (1.5, inf)
+    ({"dropout": "1.50"}, "dropout must be a finite number >= 0 and < 1. Received: dropout=1.50"),
+    ({"cd_learning_rate": " 1e400"}, "cd_learning_rate must be a finite number > 0. Received: cd_learning_rate=1e400"),
     ({"dropout": "nan"}, "dropout must be a finite number >= 0 and < 1. Received: dropout=nan"),
     ({"center_code": "maybe"}, "center_code must be true or false. Received: center_code='maybe'"),
     ({"decoder_rule": ""}, "decoder_rule must be one of 'section41', 'delta'. Received: decoder_rule=''"),
