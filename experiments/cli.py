@@ -120,7 +120,7 @@ def flag_values(args, names):
     `--set` with two values (`--seed 3 --set seed=4`) is a `SettingError` naming both: the flag is read before
     every `--set` wherever it stands on the line, so which would win is not what the line says. The same value
     twice passes; with `names` a `{field: Spec}` mapping (`settings.specs`), "same" is as the setting reads the
-    text (`--jit-cd` and `--set jit_cd=True`, `--lr 0.1` and `--set lr=0.10`), else as text.
+    text (`--persistent` and `--set persistent=True`, `--seed 3` and `--set seed=03`), else as text.
     """
     declared = names if isinstance(names, dict) else {}
     flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
