@@ -8,13 +8,12 @@ predictive-coding toy of appendix B; `infer` frees the primary and class
 capsules of a CapsNet trained without routing (appendix C).
 """
 
-import functools
 
 import tensorflow as tf
 
 from poecaps.capsules import squash
 from poecaps.errors import InputError
-from poecaps.graphs import graph
+from poecaps.graphs import graph, kept
 from poecaps.validation import (
     check_choice,
     check_flag,
@@ -246,17 +245,22 @@ def infer(model, images, labels=None, steps=500, learning_rate=0.01, l1=1.0, lab
     return dict(zip(keys, found))
 
 
-@functools.lru_cache(maxsize=32)
 def _compiled_inference(model, steps, learning_rate, l1, label_weight, clamped, record_lengths):
-    """`infer`'s work for one model and settings, as one XLA computation of `(images, labels)`, built once."""
+    """`infer`'s work for one model and settings, as one XLA computation of `(images, labels)`, built once and
+    kept on the model (`graphs.kept`): the graph reaches the model through a weak reference, so keeping it does
+    not keep a model the caller has let go."""
 
-    def run(images, labels):
-        h = model.conv1(images)
-        energy, u0, predict = capsnet_energy(model, h, labels if clamped else None, label_weight)
-        v0 = predict(u0)
-        record = (lambda xs: _norm(xs[1])) if record_lengths else None
-        found = descend(energy, [u0, v0], steps, learning_rate, [0.0, l1], record)
-        (u, v), trace = found[:2]
-        return (u, v, _norm(v), _norm(v0), trace) + tuple(found[2:])
+    def make(ref):
+        def run(images, labels):
+            model = ref()
+            h = model.conv1(images)
+            energy, u0, predict = capsnet_energy(model, h, labels if clamped else None, label_weight)
+            v0 = predict(u0)
+            record = (lambda xs: _norm(xs[1])) if record_lengths else None
+            found = descend(energy, [u0, v0], steps, learning_rate, [0.0, l1], record)
+            (u, v), trace = found[:2]
+            return (u, v, _norm(v), _norm(v0), trace) + tuple(found[2:])
 
-    return graph(run, jit_compile=True)
+        return graph(run, jit_compile=True)
+
+    return kept(model, ("infer", steps, learning_rate, l1, label_weight, clamped, record_lengths), make)

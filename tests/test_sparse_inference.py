@@ -205,6 +205,26 @@ def test_whole_network_inference_starts_at_the_feed_forward_pass(rng):
                                ops.convert_to_numpy(ops.sum(result["lengths"], -1)), rtol=1e-5)
 
 
+def test_the_compiled_inference_does_not_keep_a_model_alive(rng):
+    """`infer` compiles once per model and settings; the compiled graph was kept in a cache of 32 that held the
+    model itself, so a model the caller let go stayed in memory. The graph now reaches it weakly: gone once
+    dropped. A second call with the same settings uses the same graph and gives the same answer."""
+    import gc
+    import weakref
+
+    model = _tiny_capsnet()
+    images = rng.uniform(size=(2, 12, 12, 1)).astype("float32")
+    first = inference.infer(model, images, steps=2)
+    compiled = inference._compiled_inference(model, 2, 0.01, 1.0, 1.0, False, False)     # infer's defaults
+    again = inference.infer(model, images, steps=2)
+    assert inference._compiled_inference(model, 2, 0.01, 1.0, 1.0, False, False) is compiled
+    np.testing.assert_array_equal(ops.convert_to_numpy(first["lengths"]), ops.convert_to_numpy(again["lengths"]))
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
 def test_capsnet_energy_is_appendix_cs_formula_in_numpy(rng):
     """E(u, v) = |u - squash(primary(h))|^2 + sum_j |v_j - squash(c0 sum_i W_ij u_i)|^2 + kappa sum_j (|v_j| - y_j)^2
     at states away from the feed-forward pass, against the formula written in float64 NumPy from the model's
