@@ -42,6 +42,19 @@ def test_the_pipeline_decodes_only_upper_capsules_of_its_shape(pipeline):
             pipeline.decode(np.zeros(shape, "float32"))
 
 
+def test_the_pipeline_refuses_a_batch_size_below_one_before_decoding(pipeline, monkeypatch):
+    """`decode(upper, batch_size=0)` was refused only after the capsule decoder had run over every row."""
+    calls = []
+    decode_capsules = pipeline.decode_capsules
+    monkeypatch.setattr(pipeline, "decode_capsules", lambda x: calls.append(1) or decode_capsules(x))
+    for batch_size in (0, -1, 2.5):
+        with pytest.raises(InputError, match="batch_size must be an integer >= 1"):
+            pipeline.decode(np.zeros((2, 3, 4), "float32"), batch_size)
+    assert calls == []
+    assert pipeline.decode(np.zeros((2, 3, 4), "float32"), 1).shape == (2, 16, 16, 1)
+    assert calls
+
+
 def test_the_pipeline_refuses_components_and_statistics_it_would_misuse(pipeline):
     """Before, any object was taken as a component (an encoder as the autoencoder failed at its first use:
     'no attribute encode'); a code mean of [C] or [W, C] was broadcast against the code without a word, one of

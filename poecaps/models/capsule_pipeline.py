@@ -216,6 +216,7 @@ class CapsulePipeline:
         them on a CPU. Equal to `decode_upper` to rounding.
         """
         self._trained("decoder")     # named here: raised inside the traced batches it would read as a StagingError
+        batch_size = check_integer(batch_size, "batch_size")       # before the capsule decoder runs, not after
         shape = np.shape(upper)
         if not shape_fits(shape, (None, self.num_upper, self.upper_dim)):
             raise InputError(f"upper capsules must be [N, {self.num_upper}, {self.upper_dim}] (J upper capsules of "
