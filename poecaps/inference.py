@@ -8,7 +8,6 @@ predictive-coding toy of appendix B; `infer` frees the primary and class
 capsules of a CapsNet trained without routing (appendix C).
 """
 
-
 import tensorflow as tf
 
 from poecaps.capsules import squash
