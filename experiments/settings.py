@@ -76,37 +76,43 @@ class Spec:
         Python ones); else `SettingError`.
 
         An optional number or flag also takes `none_word` for None (`l1="auto"`); for a text
-        setting the word is text (a folder may be called "none").
+        setting the word is text (a folder may be called "none"). A refusal shows the value as given
+        (`-3`, not the `-3.0` it reads as).
         """
+        return self._check(name, value, typed=None)
+
+    def _check(self, name, value, typed):
+        """`check`, whose refusal shows `typed` (command-line text) if given, else the value as given."""
+        given = value
         names_none = isinstance(value, str) and self.kind is not str and value == self.none_word
         if self.optional and (value is None or names_none):
             return None
         if value is None:
-            self._fail(name, value)
+            self._fail(name, given, typed)
         if self.kind is bool:
             if not isinstance(value, (bool, np.bool_)):
-                self._fail(name, value)
+                self._fail(name, given, typed)
             return bool(value)
         if self.kind is str:
             if not isinstance(value, str) or (self.choices and value not in self.choices) or not value:
-                self._fail(name, value)
+                self._fail(name, given, typed)
             return value
         if isinstance(value, bool) or not isinstance(value, numbers.Real):    # NumPy numbers too
-            self._fail(name, value)
+            self._fail(name, given, typed)
         if self.kind is int:
             if not isinstance(value, numbers.Integral):
-                self._fail(name, value)
+                self._fail(name, given, typed)
             value = int(value)
         if self.kind is float:
             try:
                 value = check_number(value, name)       # a finite Python float (NaN, inf, huge ints refused)
             except InputError:
-                self._fail(name, value)
+                self._fail(name, given, typed)
         if ((self.minimum is not None and value < self.minimum)
                 or (self.maximum is not None and value > self.maximum)
                 or (self.above is not None and value <= self.above)
                 or (self.below is not None and value >= self.below)):
-            self._fail(name, value)
+            self._fail(name, given, typed)
         return value
 
     def parse(self, name, text):
@@ -127,14 +133,15 @@ class Spec:
             value = int(stripped) if self.kind is int else float(stripped)
         except ValueError:
             self._fail(name, text)
-        try:
-            return self.check(name, value)
-        except SettingError:
-            pass
-        raise SettingError(f"{name} must be {self.describe()}. Received: {name}={stripped}")
+        return self._check(name, value, typed=stripped)
 
-    def _fail(self, name, value):
-        raise SettingError(f"{name} must be {self.describe()}. Received: {name}={value!r}")
+    def _fail(self, name, value, typed=None):
+        """Refuse `value`, showing `typed` (text as typed, unquoted) if given, else the value's repr, cut
+        short past 80 characters (an int of 400 digits)."""
+        shown = typed if typed is not None else repr(value)
+        if len(shown) > 80:
+            shown = f"{shown[:40]}... ({len(shown)} characters)"
+        raise SettingError(f"{name} must be {self.describe()}. Received: {name}={shown}")
 
 
 def setting(default, help, kind=None, **rules):

@@ -73,6 +73,16 @@ def test_numpy_numbers_are_taken_as_python_numbers_and_the_config_stays_json():
             LayerwiseConfig(**values)
 
 
+@pytest.mark.parametrize("value, shown", [
+    (-3, "-3"), (np.int64(-3), "np.int64(-3)"), (np.float32(-0.5), "np.float32(-0.5)"),
+    (10**400, "1" + "0" * 39 + "... (401 characters)")], ids=["int", "np.int64", "np.float32", "10**400"])
+def test_a_value_given_from_python_is_shown_as_given_not_as_converted(value, shown):
+    """Before, the refusal showed the float the value had been read as (`-3.0`), and all 401 digits of 10**400."""
+    with pytest.raises(SettingError) as raised:
+        LayerwiseConfig(cd_learning_rate=value)
+    assert str(raised.value) == f"cd_learning_rate must be a finite number > 0. Received: cd_learning_rate={shown}"
+
+
 @pytest.mark.parametrize("values, message", [
     ({"num_capsules": "0"}, "num_capsules must be an integer >= 1. Received: num_capsules=0"),
     ({"num_capsules": "2.5"}, "num_capsules must be an integer >= 1. Received: num_capsules='2.5'"),
