@@ -14,6 +14,7 @@ other sources follow it.
 """
 
 import gzip
+import math
 import os
 import socket
 import struct
@@ -70,7 +71,7 @@ def read_idx(path):
     if len(raw) < 4 + 4 * ndim:
         raise DataError(f"{path}: truncated IDX header")
     shape = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
-    expected = int(np.prod(shape)) + 4 + 4 * ndim
+    expected = math.prod(shape) + 4 + 4 * ndim          # Python ints: NumPy's prod wraps past 2**63
     if len(raw) != expected:
         raise DataError(f"{path}: IDX file holds {len(raw)} bytes, its header promises {expected} "
                         "(truncated or corrupted)")

@@ -57,6 +57,15 @@ def test_truncated_idx_file_is_a_clear_error(idx_dir):
         data.load_arrays("mnist", "train", data_dir=str(idx_dir), source="idx")
 
 
+def test_an_idx_header_whose_sizes_overflow_int64_is_a_clear_error(tmp_path):
+    """Before, NumPy's product of the sizes 65536**4 wrapped to 0, so a header with no data passed the size check
+    and failed in `reshape` with NumPy's error."""
+    path = tmp_path / "big-idx"
+    path.write_bytes(bytes([0, 0, 0x08, 4]) + struct.pack(">IIII", *[65536] * 4))
+    with pytest.raises(data.DataError, match=f"holds 20 bytes, its header promises {65536**4 + 20} "):
+        data.read_idx(str(path))
+
+
 @pytest.mark.parametrize("images, labels", [
     (np.arange(6) % 3, np.arange(6) % 3),                  # images without pixels: before, loaded as [6]
     (np.zeros((6, 5, 5)), np.zeros((6, 2))),               # labels with a second axis: before, loaded as [6, 2]
