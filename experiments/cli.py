@@ -113,21 +113,20 @@ def add_set_flag(p, *config_classes):
                 f"{_settings_help(*(cls() for cls in config_classes))}")
 
 
-def flag_values(args, names):
-    """`{field: text}` of the flags among `names` that were given, then of every `--set FIELD=VALUE`, in order.
+def flag_values(args, declared):
+    """`{field: text}` of the given flags among `declared` (`{field: Spec}`), then of each `--set FIELD=VALUE`.
 
     `--set` given twice for one field takes the last, as the line reads. A field given both by its flag and by
     `--set` with two values (`--seed 3 --set seed=4`) is a `SettingError` naming both: the flag is read before
     every `--set` wherever it stands on the line, so which would win is not what the line says. The same value
-    twice passes; with `names` a `{field: Spec}` mapping (`settings.specs`), "same" is as the setting reads the
-    text (`--persistent` and `--set persistent=True`, `--seed 3` and `--set seed=03`), else as text.
+    twice passes, "same" as the setting reads the text (`--persistent` and `--set persistent=True`, `--seed 3`
+    and `--set seed=03`).
     """
-    declared = names if isinstance(names, dict) else {}
-    flags = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    flags = {name: getattr(args, name) for name in declared if getattr(args, name, None) is not None}
     values = dict(flags)
     for text in getattr(args, "set", None) or ():
         name, value = parse_assignment(text)
-        if name in flags and not _same_value(declared.get(name), name, flags[name], value):
+        if name in flags and not _same_value(declared[name], name, flags[name], value):
             raise SettingError(f"{name} is given twice, as --{name.replace('_', '-')} {flags[name]} and --set "
                                f"{text}; give it once.")
         values[name] = value
@@ -135,11 +134,9 @@ def flag_values(args, names):
 
 
 def _same_value(spec, name, first, second):
-    """Whether two texts give setting `name` one value: as `spec` parses them, or as text without a spec."""
+    """Whether two texts give setting `name` one value, as `spec` parses them."""
     if first == second:
         return True
-    if spec is None:
-        return False
     try:
         return spec.parse(name, first) == spec.parse(name, second)
     except SettingError:                 # one of them is no value of the setting: not the same

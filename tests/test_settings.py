@@ -234,13 +234,14 @@ def test_a_setting_given_twice_with_two_values_is_refused_naming_both():
     """`--seed 3 --set seed=4` (or `--set seed=4 --seed 3`) took the --set value whatever the order on the line
     (flags are read first); it is a SettingError now. `--set` twice takes the last, as the line reads (a base
     command with an override appended); the same value twice, and distinct fields, pass."""
+    declared = cli.shortcut_specs("baseline", ["seed", "epochs"])
     args = argparse.Namespace(seed="3", epochs=None, set=["seed=4"])
     with pytest.raises(SettingError, match=re.escape("seed is given twice, as --seed 3 and --set seed=4")):
-        cli.flag_values(args, ["seed", "epochs"])
+        cli.flag_values(args, declared)
     args = argparse.Namespace(set=["batch-size=8", "batch_size=16"])
-    assert cli.flag_values(args, []) == {"batch_size": "16"}
+    assert cli.flag_values(args, {}) == {"batch_size": "16"}
     args = argparse.Namespace(seed="3", epochs="2", set=["seed=3", "lr=0.1"])
-    assert cli.flag_values(args, ["seed", "epochs"]) == {"seed": "3", "epochs": "2", "lr": "0.1"}
+    assert cli.flag_values(args, declared) == {"seed": "3", "epochs": "2", "lr": "0.1"}
 
 
 def test_a_setting_given_by_flag_and_set_in_two_spellings_of_one_value_passes():
