@@ -273,6 +273,22 @@ def test_sharded_cd_step_equals_the_whole_batch_step(rng, rule, shards, batch, s
         np.testing.assert_allclose(stats[key].numpy(), ops.convert_to_numpy(value), rtol=1e-10, atol=1e-13)
 
 
+def test_descent_is_minus_the_ascent_plus_l2_weights_and_refuses_directions_that_do_not_match_the_weights():
+    """Before, a model's `cd_gradients` with one direction too few trained the other weights and left the
+    last untouched (zip), and a direction of shape [1] was broadcast over its weight."""
+    weights = [keras.Variable(np.array([1.0, -2.0])), keras.Variable(np.array([[3.0]]))]
+    ascent = [np.array([0.5, 0.25]), np.array([[1.0]])]
+    got = descent(ascent, weights, 0.5)
+    np.testing.assert_array_equal(ops.convert_to_numpy(got[0]), [-0.5 + 0.5, -0.25 - 1.0])
+    np.testing.assert_array_equal(ops.convert_to_numpy(got[1]), [[-1.0 + 1.5]])
+    with pytest.raises(InputError, match="descent needs one ascent direction per trainable weight. Received: 1 directions "
+                                         "for 2 weights"):
+        descent(ascent[:1], weights, 0.5)
+    with pytest.raises(InputError, match=re.escape("Ascent direction 0 must have its weight's shape (2,). Received: "
+                                                   "shape (1,)")):
+        descent([np.array([0.5]), ascent[1]], weights, 0.5)
+
+
 def test_sharded_trainer_takes_the_same_steps_as_the_whole_batch_one(rng):
     """Two epochs (batches of 16 and a last one of 8) with 1 and 3 shards end at the same weights."""
     x = _capsules(rng, 40, 6, 3)

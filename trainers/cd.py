@@ -60,7 +60,19 @@ def cd_step(model, x, steps=1, chain=None, l2=0.0, sparsity=None):
 
 
 def descent(ascent, weights, l2):
-    """Descent directions for a Keras optimizer: `-dW + l2 W` for each ascent direction dW."""
+    """Descent directions for a Keras optimizer: `-dW + l2 W` for each ascent direction dW.
+
+    `ascent` holds one direction per weight, in the order of `weights` and of its shape (a model's
+    `cd_gradients` contract); else an `InputError`, not a silent zip of the shorter list or a broadcast.
+    """
+    ascent, weights = list(ascent), list(weights)
+    if len(ascent) != len(weights):
+        raise InputError(f"descent needs one ascent direction per trainable weight. Received: "
+                         f"{len(ascent)} directions for {len(weights)} weights")
+    for k, (g, w) in enumerate(zip(ascent, weights)):
+        if not shape_fits(tuple(g.shape), tuple(w.shape)):          # an unknown traced size fits
+            raise InputError(f"Ascent direction {k} must have its weight's shape {tuple(w.shape)}. "
+                             f"Received: shape {tuple(g.shape)}")
     return [-g + l2 * w for g, w in zip(ascent, weights)]
 
 
