@@ -244,15 +244,20 @@ def load_trained(run_dir):
 
 
 def probe_features(t0, a0, t0_logits=None):
-    """The probe table's feature sets from `t0 [B, K]` and `A0 [B, K, ...]` (flattened to `[B, 6K]`).
+    """The probe table's feature sets from `t0 [B, K]` and `A0 [B, K, ...]` (flattened to `[B, 6K]`; or given so).
 
     `{"t0": t0, "t0_A0": [t0, A0]}`; given the presences' logits `[B, K]`
     (`t0 = sigmoid(t0_logits)`) also `{"t0_logits": ..., "t0_logits_A0": [t0_logits, A0]}`,
     the paper's reading of `t0` (its supplement D classifies from the logit
     of the posterior over `t0`).
     """
-    t0 = np.asarray(t0)
-    a0 = np.asarray(a0).reshape(len(t0), -1)
+    t0, a0 = np.asarray(t0), np.asarray(a0)
+    fits = t0.ndim == 2 and a0.ndim >= 2 and len(a0) == len(t0) and np.prod(a0.shape[1:]) % max(t0.shape[1], 1) == 0
+    if not fits or (t0_logits is not None and np.shape(t0_logits) != t0.shape):
+        raise InputError(f"probe_features needs t0 [B, K], A0 [B, K, ...] or [B, K * pose size] and t0_logits "
+                         f"[B, K] of one B and K. Received: t0 {t0.shape}, A0 {a0.shape}"
+                         + ("" if t0_logits is None else f", t0_logits {np.shape(t0_logits)}"))
+    a0 = a0.reshape(len(t0), -1)
     sets = {"t0": t0, "t0_A0": np.hstack([t0, a0])}
     if t0_logits is not None:
         t0_logits = np.asarray(t0_logits)

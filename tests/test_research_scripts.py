@@ -296,3 +296,22 @@ def test_the_generative_layer_and_sparse_inference_run_on_a_trained_capsnet(tmp_
         # the refused resume adds no line
         assert [json.loads(line)["action"] for line in handle] == ["train", "sparse inference"] + [
             "generative layer"] * 2
+
+
+def test_probe_features_stack_t0_and_the_flattened_poses_and_refuse_poses_of_another_batch():
+    """Before, `A0` was reshaped by the length of `t0`, so poses of a batch twice as large ([4, K, 6] for a t0 of
+    [2, K]) were taken as [2, 12K] features without a word."""
+    from poecaps.errors import InputError
+    from poecaps.experiments.probabilistic_capsules import probe_features
+
+    t0, logits = np.array([[0.1, 0.9], [0.5, 0.2]]), np.array([[-2.0, 2.0], [0.0, -1.0]])
+    a0 = np.arange(24.0).reshape(2, 2, 6)
+    sets = probe_features(t0, a0, logits)
+    assert set(sets) == {"t0", "t0_A0", "t0_logits", "t0_logits_A0"}
+    np.testing.assert_array_equal(sets["t0_A0"][1], [0.5, 0.2, *range(12, 24)])
+    np.testing.assert_array_equal(sets["t0_logits_A0"][0], [-2.0, 2.0, *range(12)])
+    np.testing.assert_array_equal(probe_features(t0, a0.reshape(2, 12))["t0_A0"], sets["t0_A0"])  # A0 flattened
+    for bad in ({"a0": np.zeros((4, 2, 6))}, {"a0": np.zeros((2, 13))}, {"a0": np.zeros(2)},
+                {"t0_logits": logits[:1]}, {"t0": t0[0]}):
+        with pytest.raises(InputError, match="probe_features needs t0 \\[B, K\\], A0 \\[B, K, ...\\]"):
+            probe_features(**{"t0": t0, "a0": a0, "t0_logits": logits, **bad})
