@@ -121,15 +121,16 @@ def baseline(run_dir, preset=None, resume=False, test_limit=None, **settings):
     As `scripts/baseline.py --preset PRESET --set FIELD=VALUE ...`: `config.json`
     records the preset (None: "sabour2017") and the changed settings; with
     `resume` the run goes on with its own settings, `settings` changed
-    (`runs.config_to_resume`). `test_limit` evaluates on only that many
-    test images. The affine test set is drawn from seed 0, whatever seed
+    (`runs.config_to_resume`). `test_limit` uses only that many test
+    images, spread over the split: each epoch's test figures and the
+    evaluation. The affine test set is drawn from seed 0, whatever seed
     trains the network, as the script and `compare_routing` draw it.
     Returns the run's `eval.json` figures.
     """
     evaluation = _evaluation(test_limit)   # checked before any training, as the script does
     config, record = (config_to_resume(run_dir, "baseline", preset, settings) if resume
                       else presets.configured("baseline", preset, settings))
-    train_baseline(config, run_dir, record, resume=resume)
+    train_baseline(config, run_dir, record, resume=resume, test_limit=evaluation.test_limit)
     return evaluate_baseline(run_dir, evaluation)
 
 

@@ -10,7 +10,7 @@ from poecaps import transforms
 from poecaps.errors import InputError
 from poecaps.experiments import figures
 from poecaps.experiments.configs import BaselineConfig, BaselineEvaluationConfig
-from poecaps.experiments.runs import RunDir, load_images, read_settings
+from poecaps.experiments.runs import RunDir, limit_test_split, load_images, read_settings
 from poecaps.experiments.settings import config_or_default
 from poecaps.graphs import graph
 from poecaps.metrics import hoyer_sparsity
@@ -140,7 +140,7 @@ def evaluate_baseline(run_dir, config=None):
     model = load_component(path)
     test, labels, _ = load_images(train_config, "test")
     run.record_environment("evaluate")                  # once the images have loaded: a failed call leaves no line
-    test, labels = test[:config.test_limit or None], labels[:config.test_limit or None]
+    test, labels = limit_test_split(test, labels, config.test_limit)
     predict = compiled_predictor(model, jit_compile=train_config.xla)
     scores, coefficients = predict_in_batches(predict, test, config.batch_size)
     seed = keras.random.SeedGenerator(config.seed)

@@ -20,6 +20,7 @@ from poecaps.experiments.configs import BaselineConfig
 from poecaps.experiments.runs import (
     RunDir,
     check_resumable,
+    limit_test_split,
     load_images,
     read_settings,
     run_record,
@@ -129,11 +130,15 @@ class _EpochScalars(keras.callbacks.Callback):
         self._writers = {}
 
 
-def train_baseline(config, run_dir, record=None, resume=False):
+def train_baseline(config, run_dir, record=None, resume=False, test_limit=None):
     """Train into `run_dir` (resuming from the last checkpoint); returns the trained network.
 
     `record` is what `config.json` keeps besides the settings (kind, preset,
-    overrides). The network is saved as `models/model.keras`.
+    overrides). The network is saved as `models/model.keras`. Each epoch's
+    test figures (the fit's validation) and the routing statistics at
+    initialisation are measured on the test split, or on `test_limit` of its
+    images spread over it (`runs.limit_test_split`); `state.json` records how
+    many (`test_images`).
     """
     if not isinstance(config, BaselineConfig):
         raise InputError(f"config must be a BaselineConfig. Received: {type(config).__name__}")
@@ -145,6 +150,8 @@ def train_baseline(config, run_dir, record=None, resume=False):
     # The data before the run is touched: images that cannot be read leave the run as it was.
     train, train_labels, source = load_images(config, "train")
     test, test_labels, _ = load_images(config, "test")
+    num_classes = int(max(train_labels.max(), test_labels.max())) + 1     # the whole split's: test_limit cuts no class
+    test, test_labels = limit_test_split(test, test_labels, test_limit)
     run.make()
     if not resume:
         run.start_afresh(("metrics.jsonl", "faults.jsonl", "environment.jsonl"))
@@ -154,7 +161,6 @@ def train_baseline(config, run_dir, record=None, resume=False):
     run.write_json("config.json", {**record,
                                    "settings": settings})
     run.record_environment("train")
-    num_classes = int(max(train_labels.max(), test_labels.max())) + 1
     steps = int(np.ceil(len(train) / config.batch_size))
     print(f"{config.dataset}: {len(train)} training images from {source}", flush=True)
     with strategy.scope(), distribute.precision_policy(config.precision):
@@ -184,7 +190,8 @@ def train_baseline(config, run_dir, record=None, resume=False):
     epochs_run = len(history.get("loss", []))
     state = {"kind": "baseline", "settings": settings, "seconds": seconds,
              "seconds_per_epoch": seconds / max(epochs_run, 1), "epochs_this_call": epochs_run,
-             "seconds_per_step": timer.median_seconds, "step_peak_bytes": peak, "initial_routing": initial}
+             "seconds_per_step": timer.median_seconds, "step_peak_bytes": peak, "initial_routing": initial,
+             "test_images": len(test)}
     run.write_json("state.json", state)
     print(json.dumps({"train_seconds": round(seconds, 1),
                       "seconds_per_epoch": round(state["seconds_per_epoch"], 1)}))

@@ -86,7 +86,9 @@ def _baseline(argv=None):
     cli.add_shortcuts(p, "baseline", shortcuts)
     p.add_argument("--evaluate-only", action="store_true",
                    help="skip training; evaluate --run-dir (here --seed draws the affine test set; default 0)")
-    p.add_argument("--test-limit", default=None, metavar="N", help="evaluate on only this many test images")
+    p.add_argument("--test-limit", default=None, metavar="N",
+                   help="use only this many test images, spread over the split: each epoch's test figures and "
+                        "the evaluation")
     args = p.parse_args(argv)
     from poecaps.experiments.baseline_evaluation import (
         evaluate_baseline,  # TensorFlow: after --help
@@ -112,7 +114,7 @@ def _baseline(argv=None):
 
     def train_and_evaluate():
         if not args.evaluate_only:
-            train_baseline(config, args.run_dir, record, resume=args.resume)
+            train_baseline(config, args.run_dir, record, resume=args.resume, test_limit=evaluation.test_limit)
         return evaluate_baseline(args.run_dir, evaluation)
 
     _print_json(train_and_evaluate)
@@ -128,7 +130,9 @@ def _compare_routing(argv=None):
                    help="change one setting of every row's preset (repeatable; scripts/baseline.py --help lists them)")
     shortcuts = ("seed", "dataset", "data_dir", "limit", "epochs")
     cli.add_shortcuts(p, "baseline", shortcuts)
-    p.add_argument("--test-limit", default=None, metavar="N", help="evaluate on only this many test images")
+    p.add_argument("--test-limit", default=None, metavar="N",
+                   help="use only this many test images, spread over the split: each epoch's test figures and "
+                        "the evaluation")
     args = p.parse_args(argv)
     from poecaps.experiments.configs import BaselineEvaluationConfig
     from poecaps.experiments.routing_comparison import compare_routing  # TensorFlow: after --help

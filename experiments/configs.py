@@ -217,7 +217,7 @@ class BaselineEvaluationConfig(Checked):
     seed: int = setting(0, "seeds the random affine transforms", minimum=0)
     batch_size: int = setting(256, "images per forward pass", minimum=1)
     perturb_examples: int = setting(3, "test images for the Sabour Figure 4 perturbation plot", minimum=0)
-    test_limit: int | None = setting(None, "evaluate on only this many test images", kind=int, minimum=1)
+    test_limit: int | None = setting(None, "use only this many test images, spread over the split", kind=int, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,6 +75,7 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
         raise InputError(f"{', '.join(map(str, unknown))} is not a preset of the routing network; the table's "
                          f"presets are {', '.join(known)}.")
     settings = settings or {}
+    evaluation = evaluation or BaselineEvaluationConfig()
     configs = {name: with_values(presets.get("baseline", name), settings) for name in names}
     if os.path.exists(root) and not os.path.isdir(root):
         raise InputError(f"{root} is a file; pass a folder as the runs' root (--run-dir).")
@@ -93,8 +94,8 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
                 print(f"[routing table] {name}: {'resuming' if resume else 'training'} into {run_dir}", flush=True)
                 record = {"kind": "baseline", "preset": name,
                           "overrides": {field: getattr(config, field) for field in settings}}
-                train_baseline(config, run_dir, record, resume=resume)
-            found = evaluate_baseline(run_dir, evaluation or BaselineEvaluationConfig())
+                train_baseline(config, run_dir, record, resume=resume, test_limit=evaluation.test_limit)
+            found = evaluate_baseline(run_dir, evaluation)
         results[name] = found
     table = markdown([row(name, result) for name, result in results.items()])
     with open(os.path.join(root, "routing_table.md"), "w") as handle:

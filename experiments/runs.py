@@ -39,6 +39,17 @@ def spread_indices(count, size):
     return np.linspace(0, count - 1, min(size, count)).round().astype(int)
 
 
+def limit_test_split(images, labels, limit):
+    """`limit` of the test split's images and their labels, spread evenly over it (`spread_indices`); all of
+    them for `limit=None`. The first `limit` would be one class where the split is ordered by class."""
+    if limit is None:
+        return images, labels
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1:
+        raise InputError(f"test_limit must be an integer >= 1, or None for every test image. Received: {limit!r}")
+    pick = spread_indices(len(images), int(limit))
+    return images[pick], labels[pick]
+
+
 def check_run_path(path, what="The run directory"):
     """`path` if it is a non-empty path (a str or `os.PathLike`); else an `InputError` (os.path's TypeError)."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):

@@ -28,8 +28,52 @@ def test_baseline_records_its_preset_and_evaluates_as_the_script_does(tmp_path, 
 
     assert found["evaluation"]["seed"] == 0
     assert evaluate_baseline(run, BaselineEvaluationConfig(test_limit=16)) == found
+    _check_spread_test_images(run, found, mnist_dir, 16)
     with pytest.raises(SettingError, match="epochs"):
         api.baseline(str(tmp_path / "bad"), epochs=0)
+
+
+def _check_spread_test_images(run, found, mnist_dir, limit):
+    """`test_limit`: `limit` test images spread over the split, for the evaluation and for each epoch's test
+    figures. mnist-5k's test split is ordered by class: its first 16 images are all 0s, so the first `limit`
+    would test one class; spread, they hold every class."""
+    import keras
+    import numpy as np
+
+    from poecaps import data
+
+    test, labels, _ = data.load_arrays("mnist", "test", mnist_dir)
+    assert set(labels[:limit].tolist()) == {0}
+    pick = [round(k * (len(test) - 1) / (limit - 1)) for k in range(limit)]   # 0, 66.6 -> 67, ..., 999
+    assert set(labels[pick].tolist()) == set(range(10))
+    network = keras.saving.load_model(os.path.join(run, "models", "model.keras"))
+    scores = network.predict(data.to_float(test[pick]), verbose=0)["scores"]
+    accuracy = float(np.mean(np.argmax(scores, -1) == labels[pick]))
+    assert found["test_images"] == found["train"]["test_images"] == limit
+    assert found["test_accuracy"] == accuracy
+    with open(os.path.join(run, "metrics.jsonl")) as handle:
+        last = [json.loads(line) for line in handle][-1]      # the last epoch's, on the weights saved
+    assert last["test_accuracy"] == pytest.approx(accuracy, rel=1e-6)      # Keras' float32 mean of k / limit
+
+
+def test_a_test_limit_takes_images_spread_over_the_split_and_refuses_a_count_below_one():
+    import numpy as np
+
+    from poecaps.errors import InputError
+    from poecaps.experiments.runs import limit_test_split
+
+    images, labels = np.arange(10.0)[:, None] * 10, np.arange(10) // 5       # ordered by class: 0 x 5, 1 x 5
+    picked, classes = limit_test_split(images, labels, 4)
+    # 0, 9/3, 18/3, 9: rows 0, 3, 6 and 9, two of each class
+    np.testing.assert_array_equal(picked[:, 0], [0, 30, 60, 90])
+    np.testing.assert_array_equal(classes, [0, 0, 1, 1])
+    assert limit_test_split(images, labels, 1)[0].tolist() == [[0.0]]
+    assert limit_test_split(images, labels, np.int64(25))[0].shape == (10, 1)      # more than the split: all
+    assert limit_test_split(images, labels, None)[0] is images
+    for bad in (0, -2, 2.0, True, "3"):
+        with pytest.raises(InputError, match=rf"^test_limit must be an integer >= 1, or None for every test "
+                                             rf"image\. Received: {re.escape(repr(bad))}$"):
+            limit_test_split(images, labels, bad)
 
 
 def test_compare_routing_passes_its_rows_settings_and_evaluation_on(tmp_path, monkeypatch):

@@ -195,9 +195,9 @@ def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, mo
     real_train, real_evaluate = table.train_baseline, table.evaluate_baseline
     calls = []
 
-    def train(config, run_dir, record, resume=False):
-        calls.append(("train", resume))
-        return real_train(config, run_dir, record, resume=resume)
+    def train(config, run_dir, record, resume=False, test_limit=None):
+        calls.append(("train", resume, test_limit))      # the evaluation's test images, each epoch's too
+        return real_train(config, run_dir, record, resume=resume, test_limit=test_limit)
 
     def evaluate(run_dir, config):
         calls.append(("evaluate",))
@@ -214,7 +214,7 @@ def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, mo
     monkeypatch.setattr(table, "evaluate_baseline", crash)
     with pytest.raises(RuntimeError):                    # trained two epochs, stopped before its evaluation
         table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)
-    assert calls == [("train", False)] and state()["epochs_this_call"] == 2
+    assert calls == [("train", False, 16)] and state()["epochs_this_call"] == 2
     assert not os.path.exists(os.path.join(run, "eval.json"))
 
     monkeypatch.setattr(table, "evaluate_baseline", evaluate)
@@ -230,12 +230,12 @@ def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, mo
     for name in ("state.json", "eval.json"):             # stopped while training, after its checkpoints
         os.remove(os.path.join(run, name))
     table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)
-    assert calls == [("train", True), ("evaluate",)]
+    assert calls == [("train", True, 16), ("evaluate",)]
     assert state()["epochs_this_call"] == 0              # went on from the last checkpoint: nothing left
 
     calls.clear()                                        # other settings: trained again from the start
     table.compare_routing(root, {**settings, "seed": 1}, ["faria2019-uniform"], evaluation)
-    assert calls == [("train", False), ("evaluate",)] and state()["epochs_this_call"] == 2
+    assert calls == [("train", False, 16), ("evaluate",)] and state()["epochs_this_call"] == 2
 
 
 @pytest.mark.slow

@@ -292,6 +292,8 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir):
     with open(os.path.join(run, "metrics.jsonl")) as handle:
         lines = [json.loads(line) for line in handle]
     assert [line["epoch"] for line in lines] == [0, 1]
+    # --test-limit 64: each epoch's test figures and the evaluation are on the same 64 test images
+    assert result["test_images"] == result["train"]["test_images"] == 64
     # the fit's validation data is the test split, and its figures say so
     assert all("test_accuracy" in line and not any(k.startswith("val_") for k in line) for line in lines)
     # TensorBoard's runs too: each epoch's figures as metrics.jsonl has them, validation under test/
