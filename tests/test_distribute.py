@@ -27,10 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "distribute_run.py")
 
 
-def _run_worker(kind):
+def _run_worker(*kinds):
     # A fresh process: logical devices must be set before TensorFlow starts.
-    result = subprocess.run([sys.executable, WORKER, kind], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600, check=False)
+    result = subprocess.run([sys.executable, WORKER, *kinds], cwd=ROOT, capture_output=True, text=True,
+                            timeout=900, check=False)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -56,13 +56,12 @@ def _check(result, replicas):
 
 
 @pytest.mark.slow
-def test_mirrored_strategy_on_two_devices_matches_one_device():
-    _check(_run_worker("mirrored"), replicas=2)
-
-
-@pytest.mark.slow
-def test_multiworker_strategy_single_worker_matches_one_device():
-    _check(_run_worker("multiworker"), replicas=1)
+def test_mirrored_strategy_on_two_devices_and_a_single_multiworker_worker_match_one_device():
+    # One process trains each trainer once on one device, the reference of both strategies.
+    result = _run_worker("mirrored", "multiworker")
+    assert set(result) == {"mirrored", "multiworker"}
+    _check(result["mirrored"], replicas=2)
+    _check(result["multiworker"], replicas=1)
 
 
 def test_per_example_draw_is_the_plain_draw_on_one_device():

@@ -1,7 +1,8 @@
-"""Train each trainer a few steps on one device and under a strategy; print weight differences as JSON.
+"""Train each trainer a few steps on one device and under each strategy; print weight differences as JSON.
 
-Run as a subprocess: it splits the CPU into 2 logical devices before TensorFlow starts.
-Usage: python tests/workers/distribute_run.py [mirrored|multiworker]
+Run as a subprocess: it splits the CPU into 2 logical devices before TensorFlow starts. Each trainer
+is trained once on one device, the reference of every strategy named.
+Usage: python tests/workers/distribute_run.py [mirrored] [multiworker]   (default: both)
 """
 
 import json
@@ -136,21 +137,24 @@ def train(make, strategy):
     return [np.asarray(w) for w in weights(trainer)], trainer.distribute_strategy.num_replicas_in_sync
 
 
+STRATEGIES = {"mirrored": lambda: tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+              "multiworker": tf.distribute.MultiWorkerMirroredStrategy}
+
+
 def main():
-    kind = sys.argv[1] if len(sys.argv) > 1 else "mirrored"
-    if kind == "mirrored":
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    else:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    result = {}
+    kinds = sys.argv[1:] or list(STRATEGIES)
+    strategies = {kind: STRATEGIES[kind]() for kind in kinds}
+    result = {kind: {} for kind in kinds}
     for make in (cd, rbm, autoencoder, capsnet, em, routingnet, generative, vae, capsules):
         one, _ = train(make, tf.distribute.get_strategy())
-        many, replicas = train(make, strategy)
         moved = [float(np.abs(w - w0).max()) for w, w0 in zip(one, train_initial(make))]
-        # Each weight's difference between the two runs, relative to how far training moved it.
-        diff = max(float(np.abs(a - b).max()) / max(m, 1e-12) for a, b, m in zip(one, many, moved))
-        result[make.__name__] = {"replicas": replicas, "difference_over_movement": diff, "moved": max(moved),
-                                 "weights_moved": sum(m > 0 for m in moved), "weights": len(moved)}
+        for kind, strategy in strategies.items():
+            many, replicas = train(make, strategy)
+            # Each weight's difference between the two runs, relative to how far training moved it.
+            diff = max(float(np.abs(a - b).max()) / max(m, 1e-12) for a, b, m in zip(one, many, moved))
+            result[kind][make.__name__] = {"replicas": replicas, "difference_over_movement": diff,
+                                           "moved": max(moved), "weights_moved": sum(m > 0 for m in moved),
+                                           "weights": len(moved)}
     print("RESULT " + json.dumps(result))
 
 
