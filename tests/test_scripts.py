@@ -343,7 +343,8 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, monkeypatch,
 
 
 @pytest.mark.slow
-def test_em_baseline_trains_under_xla_and_evaluates_again_from_its_saved_network(tmp_path, mnist_dir):
+def test_em_baseline_trains_under_xla_and_evaluates_again_from_its_saved_network(tmp_path, mnist_dir, monkeypatch,
+                                                                                 capsys):
     """The EM preset through the same script (resuming is the sabour2017 test's: the code is shared)."""
     run = str(tmp_path / "hinton2018-small")
     result = _baseline(mnist_dir, run, "hinton2018-small", "--epochs", "1")
@@ -351,5 +352,5 @@ def test_em_baseline_trains_under_xla_and_evaluates_again_from_its_saved_network
     with open(os.path.join(run, "config.json")) as handle:
         assert json.load(handle)["settings"]["jit_compile"] == "auto"      # XLA, as a user's EM run trains
     assert os.path.exists(os.path.join(run, "affine_examples.png"))
-    _evaluated_again(run, result)
+    _evaluated_again(run, result, run_script=functools.partial(_run_here, monkeypatch, capsys))
     _check_environment(run, ["train", "evaluate", "evaluate"], ["baseline.py"] * 3)
