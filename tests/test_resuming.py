@@ -85,8 +85,8 @@ def test_the_command_lines_resume_with_the_runs_settings(tmp_path, monkeypatch):
     seen = {}
     monkeypatch.setattr(api, "run_layerwise",
                         lambda config, run_dir, record, **kw: seen.update(layerwise=(config, record)))
-    monkeypatch.setattr(baselines, "train_baseline", lambda config, run_dir, record, resume: seen.update(
-        baseline=(config, record, resume)))
+    monkeypatch.setattr(baselines, "train_baseline", lambda config, run_dir, record, resume, test_limit: seen.update(
+        baseline=(config, record, resume), test_limit=test_limit))
     monkeypatch.setattr(baseline_evaluation, "evaluate_baseline", lambda run_dir, evaluation: {})
 
     run = _trained(tmp_path, "layerwise", "default", seed=3, limit=256, dataset="mnist", encoder_epochs=10)
@@ -104,6 +104,9 @@ def test_the_command_lines_resume_with_the_runs_settings(tmp_path, monkeypatch):
     config, record, resume = seen["baseline"]
     assert config == dataclasses.replace(presets.get("baseline", "faria2019-uniform"), epochs=6, seed=2)
     assert record["preset"] == "faria2019-uniform" and record["overrides"] == {"epochs": 6, "seed": 2} and resume
+    assert seen["test_limit"] is None
+    commands._baseline(["--run-dir", run, "--resume", "--test-limit", "7"])      # each epoch's test images too
+    assert seen["test_limit"] == 7
 
 
 def test_evaluate_only_refuses_the_training_flags_by_name(tmp_path, monkeypatch):
