@@ -89,17 +89,20 @@ def _routing_now(network, test, config, count=1000):
 class _MetricsLog(keras.callbacks.Callback):
     """Each epoch's figures to `metrics.jsonl`; Keras's `val_*` are named `test_*`, for what they are.
 
-    The fit's validation data is the test split: its curves are drawn,
-    and nothing (no epoch, no setting) is chosen by them.
+    The fit's validation data is the test split (or `test_images` of its
+    images, which each line records: a resumed run may change the count
+    between calls): its curves are drawn, and nothing (no epoch, no
+    setting) is chosen by them.
     """
 
-    def __init__(self, run):
+    def __init__(self, run, test_images):
         super().__init__()
         self.run = run
+        self.test_images = test_images
 
     def on_epoch_end(self, epoch, logs=None):
         named = {("test_" + k[4:] if k.startswith("val_") else k): float(v) for k, v in (logs or {}).items()}
-        self.run.append_metrics({"stage": "baseline", "epoch": epoch, **named})
+        self.run.append_metrics({"stage": "baseline", "epoch": epoch, "test_images": self.test_images, **named})
 
 
 class _EpochScalars(keras.callbacks.Callback):
@@ -137,8 +140,8 @@ def train_baseline(config, run_dir, record=None, resume=False, test_limit=None):
     overrides). The network is saved as `models/model.keras`. Each epoch's
     test figures (the fit's validation) and the routing statistics at
     initialisation are measured on the test split, or on `test_limit` of its
-    images spread over it (`runs.limit_test_split`); `state.json` records how
-    many (`test_images`).
+    images spread over it (`runs.limit_test_split`); `state.json` and each
+    epoch's line of `metrics.jsonl` record how many (`test_images`).
     """
     if not isinstance(config, BaselineConfig):
         raise InputError(f"config must be a BaselineConfig. Received: {type(config).__name__}")
@@ -174,7 +177,7 @@ def train_baseline(config, run_dir, record=None, resume=False, test_limit=None):
         previous = run.read_json("state.json", {}) if resume else {}
         initial = previous.get("initial_routing") or _routing_now(network, test, config)
         timer = StepTimer()
-        callbacks = [_EpochScalars(run.logs), _MetricsLog(run), timer]
+        callbacks = [_EpochScalars(run.logs), _MetricsLog(run, len(test)), timer]
         start = time.perf_counter()
         history = fit_resumable(
             trainer, train, train_labels, epochs=config.epochs, batch_size=config.batch_size,

@@ -6,8 +6,10 @@ them, so a new router joins the table by adding one preset. Each row trains
 into `ROOT/<preset>` with the same overrides (data, epochs, seed), is
 evaluated by `evaluate_baseline`, and the table is written to
 `ROOT/routing_table.md` and `ROOT/routing_table.json`. A row whose run is
-already trained and evaluated with the same settings is read, not redone; one
-trained but not evaluated is evaluated; one stopped while training (its
+already trained and evaluated with the same settings (training and evaluation)
+is read, not redone; one trained but not evaluated, or evaluated with other
+evaluation settings (seed, batch size, test limit, ...), is evaluated; one
+stopped while training (its
 `config.json` has the same settings) resumes from its last checkpoint. A row
 whose run has other settings is trained again from the start.
 """
@@ -83,12 +85,13 @@ def compare_routing(root, settings=None, names=None, evaluation=None):
     for name, config in configs.items():
         run_dir = os.path.join(root, name)
         trained = _has_settings(run_dir, "state.json", config)
-        if trained and os.path.exists(os.path.join(run_dir, "eval.json")):
+        found = RunDir(run_dir, create=False).read_json("eval.json", {}) if trained else {}
+        if found.get("evaluation") == dataclasses.asdict(evaluation):
             print(f"[routing table] {name}: already trained and evaluated in {run_dir}", flush=True)
-            found = RunDir(run_dir, create=False).read_json("eval.json")
         else:
             if trained:
-                print(f"[routing table] {name}: already trained in {run_dir}; evaluating", flush=True)
+                again = " again, with this call's evaluation settings" if found else ""
+                print(f"[routing table] {name}: already trained in {run_dir}; evaluating{again}", flush=True)
             else:
                 resume = _has_settings(run_dir, "config.json", config)
                 print(f"[routing table] {name}: {'resuming' if resume else 'training'} into {run_dir}", flush=True)

@@ -53,6 +53,7 @@ def _check_spread_test_images(run, found, mnist_dir, limit):
     assert found["test_accuracy"] == accuracy
     with open(os.path.join(run, "metrics.jsonl")) as handle:
         last = [json.loads(line) for line in handle][-1]      # the last epoch's, on the weights saved
+    assert last["test_images"] == limit
     assert last["test_accuracy"] == pytest.approx(accuracy, rel=1e-6)      # Keras' float32 mean of k / limit
 
 

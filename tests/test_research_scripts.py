@@ -227,6 +227,12 @@ def test_routing_table_reads_evaluates_resumes_or_retrains_each_row(tmp_path, mo
     again, _ = table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)
     assert calls == [] and again == results
 
+    fewer = table.BaselineEvaluationConfig(test_limit=8)   # evaluated with other evaluation settings: evaluated again
+    other, _ = table.compare_routing(root, settings, ["faria2019-uniform"], fewer)
+    assert calls == [("evaluate",)] and other["faria2019-uniform"]["test_images"] == 8
+    assert results["faria2019-uniform"]["test_images"] == 16
+    calls.clear()
+
     for name in ("state.json", "eval.json"):             # stopped while training, after its checkpoints
         os.remove(os.path.join(run, name))
     table.compare_routing(root, settings, ["faria2019-uniform"], evaluation)

@@ -279,11 +279,15 @@ def _baseline(mnist_dir, run, preset, *extra):
     return json.loads(out)
 
 
-def _evaluated_again(run, result, *extra, run_script=_run):
-    """`--evaluate-only` on the saved network; its result, checked to repeat `result`'s figures (the affine
-    test set's only when drawn from the same seed)."""
-    out = run_script("baseline.py", "--run-dir", run, "--evaluate-only", "--test-limit", "64", *extra)
-    again = json.loads(out if isinstance(out, str) else out[0])
+def _run_both(script, *args):
+    return _run(script, *args, stderr=True)
+
+
+def _evaluated_again(run, result, *extra, run_script=_run_both):
+    """`--evaluate-only` on the saved network, run by `run_script` (which returns stdout and stderr); its
+    result, checked to repeat `result`'s figures (the affine test set's only when drawn from the same seed)."""
+    out, _ = run_script("baseline.py", "--run-dir", run, "--evaluate-only", "--test-limit", "64", *extra)
+    again = json.loads(out)
     assert again["test_accuracy"] == result["test_accuracy"]
     if again["evaluation"]["seed"] == result["evaluation"]["seed"]:
         assert again["affine_accuracy"] == result["affine_accuracy"]
@@ -318,6 +322,7 @@ def test_baseline_trains_resumes_and_evaluates(tmp_path, mnist_dir, monkeypatch,
     assert [line["epoch"] for line in lines] == [0, 1]
     # --test-limit 64: each epoch's test figures and the evaluation are on the same 64 test images
     assert result["test_images"] == result["train"]["test_images"] == 64
+    assert [line["test_images"] for line in lines] == [64, 64]
     # the fit's validation data is the test split, and its figures say so
     assert all("test_accuracy" in line and not any(k.startswith("val_") for k in line) for line in lines)
     # TensorBoard's runs too: each epoch's figures as metrics.jsonl has them, validation under test/
