@@ -165,10 +165,8 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     layer = GenerativeCapsules(parents, parent_dim, x_train.shape[-1], kappa=5.0,
                                sigma=float(lengths.std()), seed=seed, name="generative_capsules")
     layer.build(x_train.shape)
-    initial = GenerativeCapsules.from_config(layer.get_config())        # the same layer, G kept random
-    initial.build(x_train.shape)
-    initial.set_weights(layer.get_weights())
-    invert, invert_initial = (Inversion(g, batch_size, iterations, child_weights) for g in (layer, initial))
+    initial = layer.get_weights()                    # the same layer with G kept random, for the probe's reference
+    invert = Inversion(layer, batch_size, iterations, child_weights)
     if fresh:
         bound0, entropy0, _ = invert(x_test[pick])
         run.append_jsonl(CURVE, {"epoch": 0, "heldout_bound_per_child": bound0, "coefficient_entropy": entropy0})
@@ -188,7 +186,13 @@ def train_generative(run_dir, parents=10, parent_dim=16, epochs=5, batch_size=32
     with phase("generative", f"parents of {len(x_test)} test and {len(few)} training digits, G learned and random"):
         _, entropy, test_parents = invert(x_test)
         train_parents = invert(x_train[few])[2]
-        random_train, random_test = invert_initial(x_train[few])[2], invert_initial(x_test)[2]
+        # The same compiled inference, which reads the layer's variables, on the initial weights
+        learned = layer.get_weights()
+        layer.set_weights(initial)
+        try:
+            random_train, random_test = invert(x_train[few])[2], invert(x_test)[2]
+        finally:
+            layer.set_weights(learned)
     probe = lambda a, b: metrics.linear_probe(a.reshape(len(a), -1), train_labels[few], b.reshape(len(b), -1),
                                               test_labels)
     with phase("generative", "linear probes"):
