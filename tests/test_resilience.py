@@ -231,7 +231,8 @@ def test_fit_resumable_takes_tensors_and_lists_as_arrays_and_refuses_a_dataset(n
     def trained(x, y):
         keras.utils.set_random_seed(0)
         trainer = make()
-        trainer.compile(optimizer=keras.optimizers.SGD(1e-2))
+        # eagerly: what is tested is how the examples reach the steps, not the compiled steps (3 compilations)
+        trainer.compile(optimizer=keras.optimizers.SGD(1e-2), run_eagerly=True)
         fit_resumable(trainer, x, y, epochs=2, batch_size=3, seed=0, verbose=0)
         return trainer.get_weights()
 
@@ -286,7 +287,7 @@ def test_fit_resumable_validates_on_a_dataset_and_checks_validation_arrays_befor
     import tensorflow as tf
 
     trainer = make()
-    trainer.compile(optimizer=keras.optimizers.SGD(1e-2))
+    trainer.compile(optimizer=keras.optimizers.SGD(1e-2), run_eagerly=True)     # one epoch: its steps, eagerly
     pairs = x if y is None else (x, y)
     history = fit_resumable(trainer, x, y, epochs=1, batch_size=4, seed=0, verbose=0,
                             validation_data=tf.data.Dataset.from_tensor_slices(pairs).batch(4))
