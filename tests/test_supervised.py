@@ -27,9 +27,10 @@ def _tiny_em(**kwargs):
     return MatrixCapsNet(**{**args, **kwargs})
 
 
-def _trainer(network, optimizer=None, jit_compile="auto", **kwargs):
+def _trainer(network, optimizer=None, jit_compile="auto", run_eagerly=False, **kwargs):
     trainer = SupervisedTrainer(network, seed=3, **kwargs)
-    trainer.compile(optimizer=optimizer or keras.optimizers.Adam(1e-3), jit_compile=jit_compile)
+    trainer.compile(optimizer=optimizer or keras.optimizers.Adam(1e-3), jit_compile=jit_compile,
+                    run_eagerly=run_eagerly)
     return trainer
 
 
@@ -103,7 +104,9 @@ def test_em_shapes_and_tiny_fit(rng):
     x = rng.uniform(size=(8, 20, 20, 1)).astype("float32")
     out = network(x[:2])
     assert out["scores"].shape == (2, 4) and out["coefficients"].shape == (2, 3, 4)
-    history = _trainer(network).fit(x, rng.integers(0, 4, size=8), batch_size=4, epochs=2, verbose=0).history
+    # eagerly: the compiled EM step is the sharding test's (below)
+    history = _trainer(network, run_eagerly=True).fit(x, rng.integers(0, 4, size=8), batch_size=4, epochs=2,
+                                                      verbose=0).history
     assert np.all(np.isfinite(history["loss"]))
     # the margin rises from 0.2 towards 0.9 over margin_steps=7 steps: 0.2 + 0.7 k / 7 after k steps
     # (the epoch means of steps 0, 1 and of steps 2, 3)
@@ -148,7 +151,8 @@ def test_config_round_trip_and_reload_identical_predictions(tmp_path, rng, make)
 
     network = make(name="net")
     x = rng.uniform(size=(4, *network.image_shape)).astype("float32")
-    _trainer(network).fit(x, rng.integers(0, network.num_classes, size=4), epochs=1, verbose=0)
+    # one step, eagerly (compiling EM's step under XLA was most of the test): weights that differ from the start
+    _trainer(network, run_eagerly=True).fit(x, rng.integers(0, network.num_classes, size=4), epochs=1, verbose=0)
     config = network.get_config()
     assert type(network).from_config(config).get_config() == config
     path = str(tmp_path / "model.keras")
