@@ -47,8 +47,8 @@ TOLERANCE = 1e-2
 TRAINERS = {"cd", "rbm", "autoencoder", "capsnet", "em", "routingnet", "generative", "vae", "capsules"}
 
 
-def _check(result, replicas):
-    assert set(result) == TRAINERS
+def _check(result, replicas, trainers=TRAINERS):
+    assert set(result) == trainers
     for name, figures in result.items():
         assert figures["replicas"] == replicas, name
         assert figures["weights_moved"] == figures["weights"], (name, figures)   # training moved every weight
@@ -61,7 +61,8 @@ def test_mirrored_strategy_on_two_devices_and_a_single_multiworker_worker_match_
     result = _run_worker("mirrored", "multiworker")
     assert set(result) == {"mirrored", "multiworker"}
     _check(result["mirrored"], replicas=2)
-    _check(result["multiworker"], replicas=1)
+    # one network per trainer class under the single worker (tests/workers/distribute_run.py)
+    _check(result["multiworker"], replicas=1, trainers=TRAINERS - {"em", "routingnet", "capsules"})
 
 
 def test_per_example_draw_is_the_plain_draw_on_one_device():
