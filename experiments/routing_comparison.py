@@ -6,12 +6,12 @@ them, so a new router joins the table by adding one preset. Each row trains
 into `ROOT/<preset>` with the same overrides (data, epochs, seed), is
 evaluated by `evaluate_baseline`, and the table is written to
 `ROOT/routing_table.md` and `ROOT/routing_table.json`. A row whose run is
-already trained and evaluated with the same settings (training and evaluation)
-is read, not redone; one trained but not evaluated, or evaluated with other
-evaluation settings (seed, batch size, test limit, ...), is evaluated; one
-stopped while training (its
-`config.json` has the same settings) resumes from its last checkpoint. A row
-whose run has other settings is trained again from the start.
+already trained and evaluated with the same settings (training and
+evaluation) is read, not redone; one trained but not evaluated, or evaluated
+with other evaluation settings (seed, batch size, test limit, ...), is
+evaluated; one stopped while training (its `config.json` has the same
+settings) resumes from its last checkpoint. A row whose run has other
+settings is trained again from the start.
 """
 
 import dataclasses
