@@ -1,6 +1,6 @@
 """Linear probes on each part of a generative layer's inferred parents: poses, activations, both.
 
-Usage: python docs/studies/generative_parent_probes.py RUN
+Usage: python docs/studies/generative_parent_probes.py RUN [--seed S]
 
 RUN is a CapsNet run holding a trained generative layer
 (`scripts/generative_capsules.py --run-dir RUN`, docs/generative_capsules.md).
@@ -22,6 +22,10 @@ with the probe's test accuracy on:
   posterior with each child weighted by its length (its presence), computed
   after the inference (which weighs the children as the run's `child_weights`
   says; with "lengths" these are the layer's own activations).
+
+`--seed` seeds the random G's layer (and Keras' global generator); by default
+the run's own seed, which rebuilds the run's initial layer, the reference
+`generative.json` reports.
 """
 
 import argparse
@@ -50,23 +54,25 @@ def feature_sets(poses, coefficients, children):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
+    p.add_argument("--seed", type=int, help="the random G's seed (default: the run's)")
     args = p.parse_args()
     run, config, model = load_capsnet(args.run_dir)
     settings = run.read_json(SETTINGS)["settings"]
+    seed = settings["seed"] if args.seed is None else args.seed
     with open(run.file(os.path.join("generative", "generative.json"))) as handle:
         reported = json.load(handle)["probe_accuracy"]
     train, train_labels, _ = load_images(config, "train")
     test, test_labels, _ = load_images(config, "test")
-    keras.utils.set_random_seed(settings["seed"])
+    keras.utils.set_random_seed(seed)
     x_train, x_test = primary_capsules(model, train), primary_capsules(model, test)
     few = spread_indices(len(x_train), settings["probe_train"])
     lengths = np.linalg.norm(x_train, axis=-1)
     # the run's initial layer, as `train_generative` builds it: its G stays random
     initial = GenerativeCapsules(settings["parents"], settings["parent_dim"], x_train.shape[-1], kappa=5.0,
-                                 sigma=float(lengths.std()), seed=settings["seed"], name="generative_capsules")
+                                 sigma=float(lengths.std()), seed=seed, name="generative_capsules")
     initial.build(x_train.shape)
     learned = load_saved(args.run_dir, "generative").layers[-1]
-    result = {"run": os.path.basename(os.path.normpath(args.run_dir)), "probe_train_images": len(few),
+    result = {"run": os.path.basename(os.path.normpath(args.run_dir)), "seed": seed, "probe_train_images": len(few),
               "test_images": len(x_test), "reported_probe_accuracy": reported}
     for name, layer in (("learned", learned), ("random_g", initial)):
         # every child alike in runs from before the setting
@@ -77,6 +83,7 @@ def main():
         result[name] = {key: metrics.linear_probe(train_sets[key], train_labels[few], test_sets[key], test_labels)
                         for key in train_sets}
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in result[name].items()), flush=True)
+    # the random G's figure is the run's only when its seed is the run's
     result["poses_equal_reported"] = all(result[k]["poses"] == reported[k] for k in ("learned", "random_g"))
     with open(run.file(os.path.join("generative", "parent_probes.json")), "w") as handle:
         json.dump(result, handle, indent=2)

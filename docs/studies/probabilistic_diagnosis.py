@@ -1,6 +1,6 @@
 """What the top capsules of a trained probabilistic capsule run carry: per-image spread of every latent.
 
-Usage: python docs/studies/probabilistic_diagnosis.py RUN [--every 4] [--untrained]
+Usage: python docs/studies/probabilistic_diagnosis.py RUN [--every 4] [--untrained [--seed S]]
 
 Reads `RUN/models/capsules.keras` and the run's test digits (every
 `every`-th), and writes `RUN/diagnosis.json`: for the top and the part
@@ -14,8 +14,9 @@ averaged over each class. A top layer that says nothing about the image
 has standard deviations near 0 and the same row for every class.
 
 `--untrained` measures instead a model built as the run's was, before
-training (the code's current architecture, the run's seed), and writes
-`RUN/diagnosis_untrained.json`.
+training (the code's current architecture, seeded by `--seed`, by default
+the run's seed), and writes `RUN/diagnosis_untrained.json`. The trained
+model's figures draw nothing at random.
 """
 
 import argparse
@@ -33,10 +34,13 @@ def main():
     p.add_argument("run_dir")
     p.add_argument("--every", type=int, default=4)
     p.add_argument("--untrained", action="store_true")
+    p.add_argument("--seed", type=int, help="the untrained model's seed (default: the run's)")
     args = p.parse_args()
+    if args.seed is not None and not args.untrained:
+        p.error("--seed seeds the untrained model: it needs --untrained")
     run, settings, capsules, _ = study.load_trained(args.run_dir)
     if args.untrained:
-        capsules = study.build_capsules(settings["canvas"], settings["seed"])
+        capsules = study.build_capsules(settings["canvas"], settings["seed"] if args.seed is None else args.seed)
     x, y = study.load_digits(settings["data_dir"], "test", settings["canvas"])
     x, y = tf.constant(x[::args.every]), y[::args.every]
     found = capsules.variational_parameters(x)

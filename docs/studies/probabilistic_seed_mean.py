@@ -17,6 +17,8 @@ Runs evaluated with the "up to" conditions (each digit turned by its own
 angle uniform in +-45 ... 180 degrees; `docs/probabilistic_rotation_range.md`)
 also print those rows and `(t0, A0) - t0` there, labelled as a reading
 of the paper and not the issue's criterion.
+
+It only reads and averages figures already computed, so it takes no `--seed`.
 """
 
 import argparse
