@@ -1,8 +1,9 @@
 """Train each trainer a few steps on one device and under each strategy; print weight differences as JSON.
 
 Run as a subprocess: it splits the CPU into 2 logical devices before TensorFlow starts. Each trainer
-is trained once on one device, the reference of every strategy named (`TRAINED`: the trainers each takes).
-Usage: python tests/workers/distribute_run.py [mirrored] [multiworker]   (default: both)
+is trained once on one device, the reference of every strategy named; a strategy named as
+`kind=name,name` trains only the trainers named (the caller, tests/test_distribute.py, says which).
+Usage: python tests/workers/distribute_run.py [mirrored[=cd,rbm,...]] [multiworker[=...]]   (default: both, all)
 """
 
 import json
@@ -139,22 +140,30 @@ def train(make, strategy):
 
 STRATEGIES = {"mirrored": lambda: tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]),
               "multiworker": tf.distribute.MultiWorkerMirroredStrategy}
-# The trainers each strategy trains. MultiWorkerMirroredStrategy's single worker has one replica: it checks the
-# strategy's collectives under each trainer class, so one network per class (CapsNet for the supervised networks,
-# the VAE for the variational models), not the three costliest to compile again.
 TRAINERS = ("cd", "rbm", "autoencoder", "capsnet", "em", "routingnet", "generative", "vae", "capsules")
-TRAINED = {"mirrored": TRAINERS, "multiworker": ("cd", "rbm", "autoencoder", "capsnet", "generative", "vae")}
+
+
+def parse(arguments):
+    """{kind: the trainers it trains} from `kind` or `kind=name,name` arguments."""
+    trained = {}
+    for argument in arguments or list(STRATEGIES):
+        kind, _, names = argument.partition("=")
+        trained[kind] = tuple(names.split(",")) if names else TRAINERS
+        unknown = set(trained[kind]) - set(TRAINERS)
+        if kind not in STRATEGIES or unknown:
+            sys.exit(f"unknown strategy or trainers: {argument}")
+    return trained
 
 
 def main():
-    kinds = sys.argv[1:] or list(STRATEGIES)
-    strategies = {kind: STRATEGIES[kind]() for kind in kinds}
-    result = {kind: {} for kind in kinds}
+    trained = parse(sys.argv[1:])
+    strategies = {kind: STRATEGIES[kind]() for kind in trained}
+    result = {kind: {} for kind in trained}
     for make in (globals()[name] for name in TRAINERS):
         one, _ = train(make, tf.distribute.get_strategy())
         moved = [float(np.abs(w - w0).max()) for w, w0 in zip(one, train_initial(make))]
         for kind, strategy in strategies.items():
-            if make.__name__ not in TRAINED[kind]:
+            if make.__name__ not in trained[kind]:
                 continue
             many, replicas = train(make, strategy)
             # Each weight's difference between the two runs, relative to how far training moved it.
