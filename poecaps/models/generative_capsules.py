@@ -242,9 +242,10 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
                     value = bound(v, r)
                 grad = tape.gradient(value, v)
                 trial = v + step[:, None, None] * grad
-                better = bound(trial, r) >= current
+                trial_bound = bound(trial, r)
+                better = trial_bound >= current
                 v = tf.where(better[:, None, None], trial, v)
-                current = tf.where(better, bound(v, r), current)
+                current = tf.where(better, trial_bound, current)   # the bound at the new v: its own or the trial's
                 step = tf.where(better, step * 1.5, step * 0.5)
             return k + 1, v, step, trace.write(k + 1, current)
 
