@@ -5,10 +5,8 @@ RBM trained on the same data and budget. A reference classifier (a small
 CNN trained once per run on the real images) names the sampled images.
 """
 
-import contextlib
 import dataclasses
 import os
-import sys
 
 import keras
 import numpy as np
@@ -31,8 +29,9 @@ def _flat(images):
 
 
 def _phase(what):
-    """Report a step of the evaluation and its time on stderr (stdout carries the JSON)."""
-    return phase("evaluate", what, sys.stderr)
+    """Report a step of the evaluation and its time (on stdout, as Keras' epochs; the commands send both to
+    stderr, their stdout being the JSON)."""
+    return phase("evaluate", what)
 
 
 def _classifier(run, train, train_labels, test, test_labels, config):
@@ -42,8 +41,7 @@ def _classifier(run, train, train_labels, test, test_labels, config):
     else:
         model = metrics.reference_classifier(train.shape[1:], int(train_labels.max()) + 1, config.seed)
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the figures (JSON)
-            model.fit(train, train_labels, epochs=config.classifier_epochs, batch_size=128, verbose=2)
+        model.fit(train, train_labels, epochs=config.classifier_epochs, batch_size=128, verbose=2)
         model.save(path)
     accuracy = float(np.mean(_predict(model, test) == test_labels))
     return model, accuracy
@@ -77,7 +75,7 @@ def _paper_sampler_draws(pipeline, classifier, classes, config):
                                             "mean_purity": [d["mean_purity"] for d in drawn]}
         print(f"[evaluate] N(0, I), {domain} domain, {config.draws} draws: classes "
               f"{found[f'samples_{domain}_draws']['classes_covered']}, mean purity "
-              f"{[round(d['mean_purity'], 3) for d in drawn]}", file=sys.stderr, flush=True)
+              f"{[round(d['mean_purity'], 3) for d in drawn]}", flush=True)
     return found
 
 
@@ -86,7 +84,7 @@ def _result_grid(run, classifier, classes):
     path = run.file("samples.npz")
     if not os.path.exists(path):
         print("[evaluate] no samples.npz: the result grid is left out (scripts/sample.py, api.sample draw it)",
-              file=sys.stderr, flush=True)
+              flush=True)
         return None
     try:
         with np.load(path) as stored:
@@ -97,8 +95,7 @@ def _result_grid(run, classifier, classes):
              **_specialisation(classifier, images, classes)}
     print(f"[evaluate] the result grid (samples.npz, {domain} domain, {images.shape[0]} rows): "
           f"{found['classes_covered']} class{'' if found['classes_covered'] == 1 else 'es'}, "
-          f"mean purity {found['mean_purity']:.3f}",
-          file=sys.stderr, flush=True)
+          f"mean purity {found['mean_purity']:.3f}", flush=True)
     return found
 
 
@@ -132,7 +129,7 @@ def _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classe
     likelihood = rbm_likelihood(rbm, train, test, config.seed)
     print(f"[evaluate] Bernoulli RBM: test log-likelihood {likelihood['test_log_likelihood']:.2f} nats "
           f"(log Z {likelihood['log_partition_method']}), independent pixels "
-          f"{likelihood['independent_pixels_test_log_likelihood']:.2f}", file=sys.stderr, flush=True)
+          f"{likelihood['independent_pixels_test_log_likelihood']:.2f}", flush=True)
     return {
         "hidden_units": rbm.num_hidden,
         "reconstruction_mse": metrics.mse(
@@ -269,8 +266,7 @@ def evaluate_run(run_dir, config=None):
     result["class_mean_reference"] = _class_mean_reference(train, train_labels, classifier, classes)
     rbm = load_rbm(run)
     if rbm is None:
-        print("[evaluate] no trained Bernoulli RBM (models/rbm.keras): its figures are left out",
-              file=sys.stderr, flush=True)
+        print("[evaluate] no trained Bernoulli RBM (models/rbm.keras): its figures are left out", flush=True)
     else:
         with _phase("Bernoulli RBM"):
             result["rbm"] = _rbm_figures(rbm, train, train_labels, test, test_labels, classifier, classes,

@@ -30,6 +30,11 @@ def test_the_readmes_python_quickstart_runs(tmp_path, mnist_dir, capsys):
     assert grid["shape"] == (4, 20, 28, 28, 1)
     with np.load(os.path.join(tmp_path, "quick", "samples.npz")) as samples:
         assert samples["images"].shape == grid["shape"]
-    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    captured = capsys.readouterr()
+    printed = captured.out.strip().splitlines()[-1]
     assert printed == f"{figures['result_grid']['classes_covered']} {figures['result_grid']['mean_purity']}"
+    # From Python the library's progress, training's and evaluation's alike, goes to stdout (as Keras' epochs);
+    # the commands send it to stderr. (The evaluation's went to stderr, the training's to stdout.)
+    assert "[decoder] done in " in captured.out and "[evaluate] Bernoulli RBM: " in captured.out
+    assert "[evaluate]" not in captured.err
     assert os.path.exists(os.path.join(tmp_path, "quick", "eval.json"))
