@@ -105,9 +105,13 @@ def primary_capsules(code, capsule_dim):
 
     Each spatial position's channels are split into `C / capsule_dim`
     consecutive groups (Hauser section 4.1: 6 x 6 x 128/8 = 576 capsules).
+    A height, width or channel count unknown while tracing gives a capsule
+    count known only when run.
     """
     capsule_dim = check_code_shape(tuple(code.shape), check_integer(capsule_dim, "capsule_dim"))
     h, w, channels = code.shape[1:]
+    if None in (h, w, channels):
+        return ops.reshape(code, (ops.shape(code)[0], -1, capsule_dim))
     return ops.reshape(code, (-1, h * w * channels // capsule_dim, capsule_dim))
 
 

@@ -126,6 +126,17 @@ def test_primary_capsules_reshape_and_inverse(rng):
     np.testing.assert_array_equal(ops.convert_to_numpy(capsules_to_code(caps, (6, 6, 128))), code)
 
 
+def test_primary_capsules_of_a_code_whose_size_is_unknown_while_tracing(rng):
+    """Traced for any batch, height and width, the capsules are the code's channels in groups, as a NumPy
+    reshape gives them; before, an unknown height failed (None * None)."""
+    import tensorflow as tf
+
+    code = rng.normal(size=(3, 2, 5, 16)).astype("float32")
+    traced = tf.function(lambda c: primary_capsules(c, 4), input_signature=[tf.TensorSpec([None, None, None, 16])])
+    np.testing.assert_array_equal(traced(code).numpy(), code.reshape(3, 2 * 5 * 4, 4))
+    assert traced.get_concrete_function().structured_outputs.shape.as_list() == [None, None, 4]
+
+
 def test_primary_capsules_rejects_dimension_not_dividing_channels():
     with pytest.raises(InputError, match="capsule_dim=7"):
         primary_capsules(np.zeros((1, 2, 2, 16), "float32"), 7)

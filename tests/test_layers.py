@@ -113,6 +113,20 @@ def test_primary_capsules(tmp_path, rng):
             layer(code[..., 0])
 
 
+def test_primary_capsules_in_a_functional_model_on_images_of_any_size(rng):
+    """A code of unknown height and width gives an unknown capsule count (before: None * None failed), and the
+    model then reshapes each code as NumPy does."""
+    import keras
+
+    code_in = keras.Input((None, None, 8))
+    capsules = PrimaryCapsules(4, squash=False)(code_in)
+    assert tuple(capsules.shape) == (None, None, 4)
+    model = keras.Model(code_in, capsules)
+    for h, w in ((3, 3), (2, 5)):
+        code = rng.normal(size=(2, h, w, 8)).astype("float32")
+        np.testing.assert_array_equal(ops.convert_to_numpy(model(code)), code.reshape(2, h * w * 2, 4))
+
+
 def test_conv_autoencoder_sizes_rgb_and_tied_weights(rng):
     ae = ConvAutoencoder(filters=16, kernel_size=5, strides=2, dropout=0.2, seed=3)
     images = rng.uniform(size=(2, 32, 32, 3)).astype("float32")

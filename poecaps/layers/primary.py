@@ -35,7 +35,8 @@ class PrimaryCapsules(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         _, h, w, c = input_shape
-        return (input_shape[0], h * w * c // self.capsule_dim, self.capsule_dim)
+        capsules = None if None in (h, w, c) else h * w * c // self.capsule_dim
+        return (input_shape[0], capsules, self.capsule_dim)
 
     def get_config(self):
         config = super().get_config()
