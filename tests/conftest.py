@@ -1,5 +1,6 @@
 import os
 
+# In os.environ, so the interpreters the tests start (scripts, workers) inherit them too.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 

@@ -17,9 +17,8 @@ ON_A_CAPSNET_RUN = ["sparse_inference.py", "generative_capsules.py"]
 
 
 def _run(script, *args):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args], check=False,
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("script", RESEARCH)

@@ -16,9 +16,8 @@ SCRIPTS = ["train_layerwise.py", "sample.py", "evaluate.py", "baseline.py"]
 
 def _run(script, *args, stderr=False, code=0):
     """The script's stdout (and its stderr with `stderr=True`); it must exit with `code`."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     result = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args],
-                            check=False, capture_output=True, text=True, env=env, timeout=900)
+                            check=False, capture_output=True, text=True, timeout=900)
     assert result.returncode == code, result.stdout[-2000:] + result.stderr[-3000:]
     return (result.stdout, result.stderr) if stderr else result.stdout
 
