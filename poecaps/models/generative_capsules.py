@@ -274,17 +274,20 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
     def generate(self, v, seed):
         """Children `[B, I, D_c]` and their parents `s [B, I]` drawn given parents `v [B, J, D_p]`.
 
-        `seed`: a pair of integers (stateless draws).
+        `seed`: a pair of integers (stateless draws). It is split into three
+        independent keys (`tf.random.experimental.stateless_split`): the
+        parents `s`, the vMF directions, and the length noise.
         """
         self._require_built()
         v = tf.convert_to_tensor(v)
         self._check_parents(v)
         dtype = v.dtype
         params = self._parameters(dtype)
-        seed = check_seed_pair(seed)
+        parent_key, direction_key, length_key = tf.unstack(
+            tf.random.experimental.stateless_split(check_seed_pair(seed), 3))
         batch, num_in = tf.shape(v)[0], self.maps.shape[0]
         logits = tf.broadcast_to(params["log_pi"], (batch, num_in, self.num_parents))
-        s = tf.random.stateless_categorical(tf.reshape(logits, (-1, self.num_parents)), 1, seed)[:, 0]
+        s = tf.random.stateless_categorical(tf.reshape(logits, (-1, self.num_parents)), 1, parent_key)[:, 0]
         s = tf.reshape(tf.cast(s, tf.int32), (batch, num_in))
         pick = lambda t: tf.gather(t, s, axis=2, batch_dims=2)
         u = self.predictions(v)                                                     # [B, I, J, D_c]
@@ -293,8 +296,8 @@ class GenerativeCapsules(distribute.FullPrecision, keras.layers.Layer):
         kappa = pick(tf.broadcast_to(params["kappa"], (batch, num_in, self.num_parents)))
         sigma = pick(tf.broadcast_to(tf.exp(params["log_sigma"]), (batch, num_in, self.num_parents)))
         flat = lambda t: tf.reshape(t, (-1, self.child_dim))
-        direction = vmf.sample_vmf(flat(u_s / u_len[..., None]), tf.reshape(kappa, (-1,)), seed + [0, 7])
-        length = u_len + sigma * tf.random.stateless_normal(tf.shape(u_len), seed + [0, 11], dtype=dtype)
+        direction = vmf.sample_vmf(flat(u_s / u_len[..., None]), tf.reshape(kappa, (-1,)), direction_key)
+        length = u_len + sigma * tf.random.stateless_normal(tf.shape(u_len), length_key, dtype=dtype)
         children = tf.reshape(direction, (batch, num_in, self.child_dim)) * tf.abs(length)[..., None]
         return children, s
 
