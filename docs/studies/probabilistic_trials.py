@@ -3,7 +3,7 @@
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
            [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
            [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--equivariant-top] [--anchored-parts]
-           [--localisation U] [--translate N]
+           [--localisation U] [--translate N] [--fixed-binding]
            [--refine-parts STEPS [--refine-every 4]] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
@@ -21,7 +21,8 @@ by U taken from the training objective;
 `ProbabilisticCapsuleAutoencoder`'s docstring; with `--translate N`, each
 epoch's training digits shifted by whole pixels, each by its own draw in
 [-N, N] across and down, as Sabour et al. train for affNIST; the probes
-still read the centred digits), then
+still read the centred digits; with `--fixed-binding`, the bindings
+`rho_ij` of eq. 3 held at their initial 1 instead of learned), then
 writes to OUT.json:
 
 - the trainer's running bound and terms after each epoch;
@@ -41,6 +42,8 @@ writes to OUT.json:
   whose positions turn with the digit);
 - where the parts attend (`_attention`): how many cells a part's attention
   spreads over, and whether its mean cell turns with the digit.
+- how the parts choose their parents (`_parent_choice`), on the test
+  digits;
 - with `--refine-parts STEPS`, the same probes and frame turns read after
   refining the parts alone (`refine(..., parts_only=True)`: STEPS Adam
   steps, learning rate 0.01, the top read by the top encoder from the
@@ -150,6 +153,83 @@ def _attention(model, tests):
     return result
 
 
+def _parent_choice(model, images, y):
+    """How the parts choose their parents in eq. 3, read from the encoder's output on `images` (labels `y`).
+
+    Presences are read as probabilities (`sigmoid` of the logits); the
+    posterior over parents is the exact E-step (`route`), index 0 the dummy.
+    Over the parts that are on (presence above 0.5):
+
+    - `binding_share_max`, `binding_entropy`: per part j, the largest share
+      `rho_ij / sum_i rho_ij` over the K top capsules and that share's
+      entropy over log K (1: the bindings prefer no parent);
+    - `parents_per_image`: the median over images of the number of distinct
+      top capsules that are some part's most probable parent, and the
+      median share of parts whose most probable parent is the dummy;
+    - `parent_constancy`: per part, the share of images whose most probable
+      parent is the part's most frequent one, over all images (`overall`)
+      and within each class (`within_class`, the mean over classes); means
+      over parts. Parents fixed per part give 1 for both; parents chosen by
+      the class, a within-class share well above the overall one;
+    - `one_parent`: the parts' term `sum_j log p(t_j, P_j | top)` with the
+      encoded presences, with every top capsule on, and with only the
+      image's best single top capsule on (presences 1 - 1e-6 and 1e-6,
+      poses as encoded), the medians over images of the differences
+      (`encoded_minus_one`, `all_on_minus_one`), and of the top prior's
+      Bernoulli log-probability of all on minus that of the best one alone
+      under the learned `p_i` (`prior_all_on_minus_one`).
+    """
+    gen = model.generative
+    rho = gen.bindings().numpy()[1:]                                                  # [K, N]
+    share = rho / rho.sum(0, keepdims=True)
+    k = share.shape[0]
+    found = {key: [] for key in ("top_presence", "top_pose", "part_presence", "part_pose")}
+    read = tf.function(lambda x: model.variational_parameters(x))
+    for s in range(0, len(images), 250):
+        v = read(tf.constant(images[s:s + 250]))
+        found["top_presence"].append(tf.sigmoid(v["top_logits"]).numpy())
+        found["part_presence"].append(tf.sigmoid(v["part_logits"]).numpy())
+        found["top_pose"].append(v["top_pose"].numpy())
+        found["part_pose"].append(v["part_pose"].numpy())
+    latents = {key: np.concatenate(value) for key, value in found.items()}
+    posterior = gen.route(*(tf.constant(latents[key]) for key in found)).coefficients.numpy()   # [B, N, K + 1]
+    parent = posterior.argmax(-1)                                                           # [B, N]
+    on = latents["part_presence"] > 0.5
+    distinct = [len(set(parent[b][on[b] & (parent[b] > 0)])) for b in range(len(parent))]
+    dummy = [float(np.mean(parent[b][on[b]] == 0)) if on[b].any() else float("nan") for b in range(len(parent))]
+
+    def constancy(rows):
+        shares = []
+        for j in range(parent.shape[1]):
+            chosen = parent[rows, j][on[rows, j]]
+            if len(chosen):
+                shares.append(np.bincount(chosen).max() / len(chosen))
+        return float(np.mean(shares))
+
+    every = np.ones(len(parent), bool)
+    term = tf.function(lambda tp, a, pp, pa: tf.reduce_sum(gen.part_marginal_log_likelihood(tp, a, pp, pa), -1))
+    rest = [tf.constant(latents[key]) for key in ("top_pose", "part_presence", "part_pose")]
+    encoded = term(tf.constant(latents["top_presence"]), *rest).numpy()
+    near = lambda value: np.full_like(latents["top_presence"], value)
+    all_on = term(tf.constant(near(1.0 - 1e-6)), *rest).numpy()
+    alone = np.stack([term(tf.constant(np.where(np.arange(k) == i, 1.0 - 1e-6, 1e-6).astype("float32")
+                                       * np.ones_like(latents["top_presence"])), *rest).numpy()
+                      for i in range(k)], -1)                                              # [B, K]
+    best = alone.argmax(-1)
+    p = tf.sigmoid(gen.top_logits).numpy()
+    prior_one = np.log(p[best]) + np.sum(np.log1p(-p)) - np.log1p(-p[best])
+    return {"binding_share_max": float(np.mean(share.max(0))),
+            "binding_entropy": float(np.mean(-np.sum(share * np.log(share), 0)) / np.log(k)),
+            "parents_per_image": {"distinct_top_parents": float(np.median(distinct)),
+                                  "dummy_share": float(np.nanmedian(dummy)), "parts_on": float(np.median(on.sum(1)))},
+            "parent_constancy": {"overall": constancy(every),
+                                 "within_class": float(np.mean([constancy(y == c) for c in range(10)]))},
+            "one_parent": {"encoded_minus_one": float(np.median(encoded - alone.max(-1))),
+                           "all_on_minus_one": float(np.median(all_on - alone.max(-1))),
+                           "prior_all_on_minus_one": float(np.median(np.sum(np.log(p)) - prior_one)),
+                           "best_one_capsules_used": len(set(best.tolist()))}}
+
+
 def _wrapped(degrees):
     return (np.asarray(degrees) + 180.0) % 360.0 - 180.0
 
@@ -174,6 +254,7 @@ def main():
     p.add_argument("--refine-parts", type=int, default=0, metavar="STEPS",
                    help="also read the probes after STEPS Adam steps on the parts alone (default: 0, off)")
     p.add_argument("--refine-every", type=int, default=4, help="refine every this many-th digit (default: 4)")
+    p.add_argument("--fixed-binding", action="store_true", help="hold every rho_ij at 1 (default: learned)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.translate < 0:
@@ -197,6 +278,9 @@ def main():
         logits = model.generative.top_logits
         logits.assign(tf.fill(logits.shape, float(np.log(args.top_prior / (1.0 - args.top_prior)))))
         logits.trainable = False
+    if args.fixed_binding:
+        model(tf.constant(x[:2]))                                        # builds the weights; rho starts at 1
+        model.generative.binding_raw.trainable = False
     trainer = VariationalTrainer(model, seed=args.seed)
     trainer.compile(optimizer=keras.optimizers.Adam(1e-3), jit_compile=True)
     curve, start = [], time.perf_counter()
@@ -224,6 +308,8 @@ def main():
     print(f"frame turn: {frame_turn}", flush=True)
     attention = _attention(model, tests)
     print(f"attention: {attention}", flush=True)
+    parent_choice = _parent_choice(model, tests["0"], y_test)
+    print(f"parent choice: {parent_choice}", flush=True)
     r = lambda a: np.round(np.asarray(a, "float64"), 4).tolist()
     result = {"settings": vars(args), "train_images": len(x), "test_images": len(x_test), "seconds": seconds,
               "curve": curve, "top_presence_mean": r(t0.mean(0)), "top_presence_std_over_images": r(t0.std(0)),
@@ -231,7 +317,7 @@ def main():
               "pose_spread_mean": float(model.generative.spreads().numpy().mean()),
               "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes,
               "probes_chosen_penalty": read["probes_chosen_penalty"], "chosen_penalty": read["chosen_penalty"],
-              "frame_turn": frame_turn, "part_attention": attention}
+              "frame_turn": frame_turn, "part_attention": attention, "parent_choice": parent_choice}
     if args.refine_parts:
         every, start = args.refine_every, time.perf_counter()
         train, y_sub, y_test_sub = x[::every], y[::every], y_test[::every]
