@@ -157,8 +157,9 @@ def _parent_choice(model, images, y):
     """How the parts choose their parents in eq. 3, read from the encoder's output on `images` (labels `y`).
 
     Presences are read as probabilities (`sigmoid` of the logits); the
-    posterior over parents is the exact E-step (`route`), index 0 the dummy.
-    Over the parts that are on (presence above 0.5):
+    posterior over parents is the exact E-step (`route`), index 0 the dummy;
+    the counts and shares of parents are over the parts that are on
+    (presence above 0.5):
 
     - `binding_share_max`, `binding_entropy`: per part j, the largest share
       `rho_ij / sum_i rho_ij` over the K top capsules and that share's
