@@ -69,22 +69,24 @@ from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsule
 from poecaps.trainers.variational import VariationalTrainer
 
 
-def _features(model, images, infer=None):
-    """`(t0 [B, K], A0 [B, 6K], the parts' frame angle in degrees [B])` of the encoder's output.
+def _encoded(model, images, infer=None):
+    """The variational parameters of `images`, read 250 at a time and joined: `{name: array}`.
 
     `infer`: another map from a batch of images to variational parameters
     (default: the encoders', `variational_parameters`).
     """
     infer = infer or tf.function(lambda x: model.variational_parameters(x))
-    t0, a0, angle = [], [], []
-    for s in range(0, len(images), 250):
-        found = infer(tf.constant(images[s:s + 250]))
-        t0.append(tf.sigmoid(found["top_logits"]).numpy())
-        a0.append(tf.reshape(found["top_pose"], [len(found["top_pose"]), -1]).numpy())
-        frame = frames.rigid_frame(found["part_pose"] + tf.constant(compositing.IDENTITY),
-                                   tf.sigmoid(found["part_logits"])).numpy()
-        angle.append(np.degrees(np.arctan2(frame[:, 3], frame[:, 0])))
-    return np.concatenate(t0), np.concatenate(a0), np.concatenate(angle)
+    batches = [infer(tf.constant(images[s:s + 250])) for s in range(0, len(images), 250)]
+    return {name: np.concatenate([found[name].numpy() for found in batches]) for name in batches[0]}
+
+
+def _features(model, images, infer=None):
+    """`(t0 [B, K], A0 [B, 6K], the parts' frame angle in degrees [B])` of the encoder's output (`_encoded`)."""
+    found = _encoded(model, images, infer)
+    frame = frames.rigid_frame(tf.constant(found["part_pose"]) + tf.constant(compositing.IDENTITY),
+                               tf.sigmoid(found["part_logits"])).numpy()
+    return (tf.sigmoid(found["top_logits"]).numpy(), found["top_pose"].reshape(len(images), -1),
+            np.degrees(np.arctan2(frame[:, 3], frame[:, 0])))
 
 
 def _refined_features(model, images, steps, seed):
@@ -184,16 +186,10 @@ def _parent_choice(model, images, y):
     rho = gen.bindings().numpy()[1:]                                                  # [K, N]
     share = rho / rho.sum(0, keepdims=True)
     k = share.shape[0]
-    found = {key: [] for key in ("top_presence", "top_pose", "part_presence", "part_pose")}
-    read = tf.function(lambda x: model.variational_parameters(x))
-    for s in range(0, len(images), 250):
-        v = read(tf.constant(images[s:s + 250]))
-        found["top_presence"].append(tf.sigmoid(v["top_logits"]).numpy())
-        found["part_presence"].append(tf.sigmoid(v["part_logits"]).numpy())
-        found["top_pose"].append(v["top_pose"].numpy())
-        found["part_pose"].append(v["part_pose"].numpy())
-    latents = {key: np.concatenate(value) for key, value in found.items()}
-    posterior = gen.route(*(tf.constant(latents[key]) for key in found)).coefficients.numpy()   # [B, N, K + 1]
+    found = _encoded(model, images)
+    latents = {"top_presence": tf.sigmoid(found["top_logits"]).numpy(), "top_pose": found["top_pose"],
+               "part_presence": tf.sigmoid(found["part_logits"]).numpy(), "part_pose": found["part_pose"]}
+    posterior = gen.route(*(tf.constant(value) for value in latents.values())).coefficients.numpy()  # [B, N, K + 1]
     parent = posterior.argmax(-1)                                                           # [B, N]
     on = latents["part_presence"] > 0.5
     distinct = [len(set(parent[b][on[b] & (parent[b] > 0)])) for b in range(len(parent))]
@@ -211,11 +207,10 @@ def _parent_choice(model, images, y):
     term = tf.function(lambda tp, a, pp, pa: tf.reduce_sum(gen.part_marginal_log_likelihood(tp, a, pp, pa), -1))
     rest = [tf.constant(latents[key]) for key in ("top_pose", "part_presence", "part_pose")]
     encoded = term(tf.constant(latents["top_presence"]), *rest).numpy()
-    near = lambda value: np.full_like(latents["top_presence"], value)
-    all_on = term(tf.constant(near(1.0 - 1e-6)), *rest).numpy()
-    alone = np.stack([term(tf.constant(np.where(np.arange(k) == i, 1.0 - 1e-6, 1e-6).astype("float32")
-                                       * np.ones_like(latents["top_presence"])), *rest).numpy()
-                      for i in range(k)], -1)                                              # [B, K]
+    shape = latents["top_presence"].shape
+    all_on = term(tf.fill(shape, 1.0 - 1e-6), *rest).numpy()
+    alone = np.stack([term(tf.constant(np.broadcast_to(np.where(np.arange(k) == i, 1.0 - 1e-6, 1e-6), shape),
+                                       tf.float32), *rest).numpy() for i in range(k)], -1)   # [B, K]
     best = alone.argmax(-1)
     p = tf.sigmoid(gen.top_logits).numpy()
     prior_one = np.log(p[best]) + np.sum(np.log1p(-p)) - np.log1p(-p[best])
