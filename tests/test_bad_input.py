@@ -456,6 +456,7 @@ NUMBERS = [
     (lambda v: ProbabilisticCapsules(temperature=v), "temperature", "> 0"),
     (lambda v: ProbabilisticCapsules(c_min=v), "c_min", "> 0"),
     (lambda v: ProbabilisticCapsuleAutoencoder(specialisation=v), "specialisation", ">= 0"),
+    (lambda v: ProbabilisticCapsuleAutoencoder(presence_free_bits=v), "presence_free_bits", ">= 0"),
     (lambda v: ProbabilisticCapsuleAutoencoder(sparsity_classes=v), "sparsity_classes", "> 0"),
     (lambda v: VariationalAutoencoder(pixel_sigma=v), "pixel_sigma", "> 0"),
     (lambda v: RoutingCapsNet((28, 28, 1), 10, routing="dynamic", logit_scale=v), "logit_scale", "> 0"),

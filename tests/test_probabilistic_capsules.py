@@ -667,6 +667,60 @@ def test_the_specialisation_adds_the_weighted_information_to_the_training_object
     assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(weighted)).specialisation == 7.0
 
 
+def _numpy_binary_concrete_log_density(y, logit, temperature):
+    """Maddison et al.'s binary Concrete density, as written there:
+    `p(y) = tau a y^(-tau-1) (1-y)^(-tau-1) / (a y^(-tau) + (1-y)^(-tau))^2`, `a = e^logit`."""
+    y, a, tau = np.float64(y), np.exp(np.float64(logit)), float(temperature)
+    return np.log(tau * a * y ** (-tau - 1) * (1 - y) ** (-tau - 1) / (a * y ** -tau + (1 - y) ** -tau) ** 2)
+
+
+def test_presence_free_bits_add_their_term_to_the_objective_and_cancel_the_kls_gradient_below_lambda():
+    """`presence_free_bits = lambda`: the objective gains `sum_i (K_i - max(K_i, lambda))`, `K_i` the batch mean of
+    `log q(t_bi) - log p(t_bi)` at the drawn presences (NumPy, Maddison et al.'s density written above); the
+    bound is unchanged; the prior logit of a capsule with `K_i < lambda` gets no gradient from the objective,
+    one with `K_i > lambda` gets the bound's."""
+    from poecaps.models.capsule_autoencoder import ProbabilisticCapsuleAutoencoder
+
+    plain = _tiny_autoencoder()
+    rng = np.random.default_rng(11)
+    plain.generative.top_logits.assign(rng.normal(0.0, 2.0, 3).astype("float32"))
+    images = tf.constant(rng.uniform(size=(4, 12, 12, 1)).astype("float32"))
+    part_logits, part_pose = plain.encode_parts(images)
+    top_logits = tf.constant(rng.normal(0.0, 2.0, (4, 3)).astype("float32"))
+    top_pose = tf.constant(rng.normal(0.0, 0.1, (4, 3, 6)).astype("float32"))
+    seed = tf.constant([3, 5], tf.int64)
+    drawn = concrete.sample(top_logits, 1.0, tf.unstack(tf.random.experimental.stateless_split(seed, 2))[1]).numpy()
+    prior = plain.generative.top_logits.numpy()
+    kl = np.mean(_numpy_binary_concrete_log_density(drawn, top_logits.numpy(), 1.0)
+                 - _numpy_binary_concrete_log_density(drawn, prior[None], 1.0), axis=0)         # K_i, [3]
+    assert kl.max() - kl.min() > 0.1
+    lam = float(np.median(kl))                     # one capsule above lambda, one below, one at it
+    freed = ProbabilisticCapsuleAutoencoder.from_config({**plain.get_config(), "presence_free_bits": lam})
+    freed.set_weights(plain.get_weights())
+
+    a = plain.bound_terms(images, part_logits, part_pose, top_logits, top_pose, seed=seed)
+    b = freed.bound_terms(images, part_logits, part_pose, top_logits, top_pose, seed=seed)
+    np.testing.assert_array_equal(a["bound"].numpy(), b["bound"].numpy())
+    # objectives ~1e2-1e3 nats in float32; K_i from log-densities of a few nats: float32 rounding of both
+    np.testing.assert_allclose(b["objective"].numpy() - a["objective"].numpy(),
+                               np.sum(kl - np.maximum(kl, lam)), rtol=0, atol=1e-4 * np.abs(a["bound"].numpy()).max())
+    gradients = {}
+    for name, model in (("plain", plain), ("freed", freed)):
+        with tf.GradientTape() as tape:
+            objective = tf.reduce_mean(model.bound_terms(images, part_logits, part_pose, top_logits, top_pose,
+                                                         seed=seed)["objective"])
+        gradients[name] = tape.gradient(objective, model.generative.top_logits).numpy()
+    below, above = kl < lam - 1e-3, kl > lam + 1e-3
+    assert below.any() and above.any()
+    scale = np.abs(gradients["plain"]).max()
+    assert scale > 1e-2                                                  # the prior's gradient is not small
+    np.testing.assert_allclose(gradients["freed"][below], 0.0, atol=1e-5 * scale)
+    np.testing.assert_allclose(gradients["freed"][above], gradients["plain"][above], rtol=1e-5, atol=1e-6 * scale)
+    assert keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(freed)).presence_free_bits == lam
+    with pytest.raises(InputError, match="presence_free_bits"):
+        ProbabilisticCapsuleAutoencoder(plain.generative, presence_free_bits=-0.5)
+
+
 def test_the_prior_sparsity_equals_a_hand_computation_and_pushes_where_the_information_does_not():
     from poecaps.models.capsule_autoencoder import presence_information, prior_sparsity
 

@@ -3,7 +3,7 @@
 Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared/data/mnist-5k \
            [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
            [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--equivariant-top] [--anchored-parts]
-           [--localisation U] [--translate N] [--fixed-binding]
+           [--localisation U] [--translate N] [--fixed-binding] [--free-bits LAMBDA]
            [--refine-parts STEPS [--refine-every 4]] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
@@ -22,8 +22,9 @@ by U taken from the training objective;
 epoch's training digits shifted by whole pixels, each by its own draw in
 [-N, N] across and down, as Sabour et al. train for affNIST; the probes
 still read the centred digits; with `--fixed-binding`, the bindings
-`rho_ij` of eq. 3 held at their initial 1 instead of learned), then
-writes to OUT.json:
+`rho_ij` of eq. 3 held at their initial 1 instead of learned; with
+`--free-bits LAMBDA`, LAMBDA nats of presence KL per top capsule not
+charged in training, `presence_free_bits`), then writes to OUT.json:
 
 - the trainer's running bound and terms after each epoch;
 - the encoder's top presence probabilities `t0` on the 4,000 training
@@ -44,6 +45,8 @@ writes to OUT.json:
   spreads over, and whether its mean cell turns with the digit.
 - how the parts choose their parents (`_parent_choice`), on the test
   digits;
+- the top presences' KL from their prior per capsule (`_presence_kl`),
+  on the upright test digits;
 - with `--refine-parts STEPS`, the same probes and frame turns read after
   refining the parts alone (`refine(..., parts_only=True)`: STEPS Adam
   steps, learning rate 0.01, the top read by the top encoder from the
@@ -87,6 +90,18 @@ def _features(model, images, infer=None):
                                tf.sigmoid(found["part_logits"])).numpy()
     return (tf.sigmoid(found["top_logits"]).numpy(), found["top_pose"].reshape(len(images), -1),
             np.degrees(np.arctan2(frame[:, 3], frame[:, 0])))
+
+
+def _presence_kl(model, images):
+    """Per top capsule, the mean over `images` of `KL(Bern(q) || Bern(p))` in nats: `q = sigmoid(l)` the
+    encoder's presence probability, `p` the prior's (exact, no draws; from log-sigmoids, so that presences
+    near 0 or 1 stay finite)."""
+    logits = _encoded(model, images)["top_logits"].astype("float64")
+    prior = tf.cast(model.generative.top_logits, tf.float64).numpy()[None]
+    log_q, log_1mq = -np.logaddexp(0.0, -logits), -np.logaddexp(0.0, logits)
+    log_p, log_1mp = -np.logaddexp(0.0, -prior), -np.logaddexp(0.0, prior)
+    kl = np.exp(log_q) * (log_q - log_p) + np.exp(log_1mq) * (log_1mq - log_1mp)
+    return kl.mean(0)
 
 
 def _refined_features(model, images, steps, seed):
@@ -251,6 +266,8 @@ def main():
                    help="also read the probes after STEPS Adam steps on the parts alone (default: 0, off)")
     p.add_argument("--refine-every", type=int, default=4, help="refine every this many-th digit (default: 4)")
     p.add_argument("--fixed-binding", action="store_true", help="hold every rho_ij at 1 (default: learned)")
+    p.add_argument("--free-bits", type=float, default=0.0, metavar="LAMBDA",
+                   help="nats of presence KL per top capsule not charged in training (default: 0, off)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.translate < 0:
@@ -258,6 +275,8 @@ def main():
     if args.refine_parts < 0 or args.refine_every < 1:
         p.error(f"--refine-parts must be >= 0 and --refine-every >= 1. Received: {args.refine_parts}, "
                 f"{args.refine_every}")
+    if not args.free_bits >= 0.0:
+        p.error(f"--free-bits must be >= 0. Received: {args.free_bits}")
     if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
         p.error(f"--top-prior must be in (0, 1). Received: {args.top_prior}")
     x, y = study.load_digits(args.data_dir, "train", 40)
@@ -268,7 +287,7 @@ def main():
         specialisation=args.specialisation, within_sparsity=args.within_sparsity,
         between_sparsity=args.between_sparsity, detach_parts=args.detach_parts,
         equivariant_top=args.equivariant_top, anchored_parts=args.anchored_parts,
-        localisation=args.localisation, seed=args.seed)
+        localisation=args.localisation, presence_free_bits=args.free_bits, seed=args.seed)
     if args.top_prior is not None:
         model(tf.constant(x[:2]))                                        # builds the weights
         logits = model.generative.top_logits
@@ -313,7 +332,9 @@ def main():
               "pose_spread_mean": float(model.generative.spreads().numpy().mean()),
               "prior_top_presence": r(tf.sigmoid(model.generative.top_logits).numpy()), "probes": probes,
               "probes_chosen_penalty": read["probes_chosen_penalty"], "chosen_penalty": read["chosen_penalty"],
-              "frame_turn": frame_turn, "part_attention": attention, "parent_choice": parent_choice}
+              "frame_turn": frame_turn, "part_attention": attention, "parent_choice": parent_choice,
+              "top_presence_kl": r(_presence_kl(model, tests["0"]))}
+    print(f"presence KL per top capsule (nats): {result['top_presence_kl']}", flush=True)
     if args.refine_parts:
         every, start = args.refine_every, time.perf_counter()
         train, y_sub, y_test_sub = x[::every], y[::every], y_test[::every]

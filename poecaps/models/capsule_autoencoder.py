@@ -112,6 +112,19 @@ log w_lj` the entropy (nats) of part j's attention over the cells, which
 pulls each part's attention onto few cells. Like the other extra terms it
 is not part of the bound, which `refine` and every figure use.
 
+Free bits on the top presences (optional, not in the paper; 0 by
+default). With `presence_free_bits = lambda > 0` training ascends
+
+    objective + sum_i (K_i - max(K_i, lambda)),
+    K_i = mean_b [log q(t_bi) - log p(t_bi)]
+
+at the drawn relaxed presences (Kingma et al.'s free bits, per top
+capsule over the batch): `K_i` is the bound's own one-draw estimate of
+capsule i's presence KL, so while `K_i < lambda` the added term's
+gradient cancels the bound's pull of `q(t_i)` towards the prior `p(t_i)`
+(and of the prior towards `q`) exactly, and above `lambda` nothing
+changes. Batch-level, not part of the bound; `refine` ignores it.
+
 Args:
     generative: a `ProbabilisticCapsules` (or its config dict) of the model's
         precision (made with the model's `dtype`, if one is given).
@@ -130,6 +143,8 @@ Args:
         (False: the encoder outputs the position, reading coordinate channels).
     localisation: the weight `u >= 0` of the attention entropies in the
         training objective, in nats per part (0: none).
+    presence_free_bits: `lambda >= 0`, the nats of presence KL per top
+        capsule that training does not charge (0: none).
     seed: seed of the part encoder's initial weights and of the part
         embedding's and the encoding layer's; the set transformer and the
         MLP heads draw theirs from Keras' global random state, so a whole
@@ -268,8 +283,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
 
     def __init__(self, generative=None, channels=32, hidden=128, encoding=32, blocks=4, inducing=32, heads=4,
                  specialisation=0.0, within_sparsity=0.0, between_sparsity=0.0, sparsity_classes=10,
-                 detach_parts=False, equivariant_top=False, anchored_parts=False, localisation=0.0, seed=0,
-                 **kwargs):
+                 detach_parts=False, equivariant_top=False, anchored_parts=False, localisation=0.0,
+                 presence_free_bits=0.0, seed=0, **kwargs):
         super().__init__(**kwargs)
         seed = check_seed(seed)
         self.specialisation = check_number(specialisation, "specialisation", minimum=0)
@@ -280,6 +295,7 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         self.equivariant_top = check_flag(equivariant_top, "equivariant_top")
         self.anchored_parts = check_flag(anchored_parts, "anchored_parts")
         self.localisation = check_number(localisation, "localisation", minimum=0)
+        self.presence_free_bits = check_number(presence_free_bits, "presence_free_bits", minimum=0)
         if generative is None:
             generative = ProbabilisticCapsules(seed=seed, dtype=self.dtype_policy)
         elif isinstance(generative, dict):
@@ -405,7 +421,8 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         the batch's `I`, `S_within`, `S_between` (module docstring) repeated
         for each image, not part of the bound; `objective`, what training
         ascends, `bound + specialisation * I - within_sparsity * S_within -
-        between_sparsity * S_between`.
+        between_sparsity * S_between`, and with `presence_free_bits` the
+        free bits' term (module docstring).
         """
         g = self.generative
         check_image_batch(images, g.image_size, type(self).__name__)
@@ -421,12 +438,13 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         if top_logits is None:
             top_logits, top_pose = self.encode_top(seen_presence, seen_pose, training=training)
         top_presence = concrete.sample(top_logits, g.temperature, seeds[1])
+        top_log_q = concrete.log_prob(top_presence, top_logits, g.temperature)             # [B, K]
         terms = {
             "image": g.image_log_likelihood(images, part_presence, part_pose),
             "parts": tf.reduce_sum(g.part_marginal_log_likelihood(top_presence, top_pose, seen_presence, seen_pose), -1),
             "top": g.top_log_prior(top_presence, top_pose),
             "part_entropy": -tf.reduce_sum(concrete.log_prob(part_presence, part_logits, g.temperature), -1),
-            "top_entropy": -tf.reduce_sum(concrete.log_prob(top_presence, top_logits, g.temperature), -1),
+            "top_entropy": -tf.reduce_sum(top_log_q, -1),
         }
         terms["bound"] = terms["image"] + terms["parts"] + terms["top"] + terms["part_entropy"] + terms["top_entropy"]
         each = lambda value: tf.fill(tf.shape(terms["bound"]), value)
@@ -436,6 +454,9 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
         terms["objective"] = (terms["bound"] + self.specialisation * terms["top_information"]
                               - self.within_sparsity * terms["top_sparsity_within"]
                               - self.between_sparsity * terms["top_sparsity_between"])
+        if self.presence_free_bits:
+            kl = tf.reduce_mean(top_log_q - concrete.log_prob(top_presence, g.top_logits[None], g.temperature), 0)
+            terms["objective"] = terms["objective"] + tf.reduce_sum(kl - tf.maximum(kl, self.presence_free_bits))
         return terms
 
     def bound(self, images, seed=None, training=False):
@@ -540,5 +561,5 @@ class ProbabilisticCapsuleAutoencoder(keras.Model):
                 "within_sparsity": self.within_sparsity, "between_sparsity": self.between_sparsity,
                 "sparsity_classes": self.sparsity_classes, "detach_parts": self.detach_parts,
                 "equivariant_top": self.equivariant_top, "anchored_parts": self.anchored_parts,
-                "localisation": self.localisation,
+                "localisation": self.localisation, "presence_free_bits": self.presence_free_bits,
                 "seed": self.seed}
