@@ -113,6 +113,23 @@ def test_em_shapes_and_tiny_fit(rng):
     np.testing.assert_allclose(history["margin"], [0.25, 0.45], rtol=1e-5)
 
 
+def test_a_seeded_kernel_initializer_gives_each_capsule_layer_its_own_seed():
+    """`MatrixCapsNet(kernel_initializer=NearIdentity(0.1, seed=3))`: capsule layer k starts as that initializer
+    with seed 3 + k draws, so ConvCaps1 and ConvCaps2 of one shape do not start alike; the network's config keeps
+    the initializer as given."""
+    from poecaps.initializers import NearIdentity
+
+    network = _tiny_em(b=3, kernel_initializer=NearIdentity(0.1, seed=3))
+    layers = (network.conv_caps1, network.conv_caps2, network.class_capsules)
+    first, second = (ops.convert_to_numpy(layer.kernel) for layer in layers[:2])
+    assert first.shape == second.shape                       # one shape: alike before, when both used seed 3
+    assert np.abs(first - second).max() > 1e-3
+    for k, layer in enumerate(layers):
+        expected = NearIdentity(0.1, seed=3 + k)(tuple(layer.kernel.shape), dtype="float32")
+        np.testing.assert_array_equal(ops.convert_to_numpy(layer.kernel), ops.convert_to_numpy(expected))
+    assert network.get_config()["kernel_initializer"]["config"]["seed"] == 3
+
+
 # The shards are the trainer's, whatever the network: CapsNet is checked in 2 and in 4 shards, EM (the costliest
 # to compile, once per shard count) in 4, whose last batch has empty shards.
 @pytest.mark.parametrize("make, counts", [(_tiny_capsnet, (2, 4)), (_tiny_em, (4,))], ids=["_tiny_capsnet", "_tiny_em"])

@@ -17,6 +17,15 @@ CHUNK_CAPSULES = 1024
 CONVOLUTIONS = ((5, 2), (1, 1), (3, 2), (3, 1))
 
 
+def _layer_copy(initializer, k):
+    """A copy of `initializer` for the k-th capsule layer: its integer seed, if it has one, plus k."""
+    config = keras.initializers.serialize(initializer)
+    seed = config.get("config", {}).get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        config = {**config, "config": {**config["config"], "seed": seed + k}}
+    return keras.initializers.get(config)
+
+
 @keras.saving.register_keras_serializable(package="poecaps")
 class MatrixCapsNet(keras.Model):
     """Matrix capsules: conv, primary matrix capsules, two convolutional capsule layers, class capsules.
@@ -40,7 +49,9 @@ class MatrixCapsNet(keras.Model):
         kernel_initializer: initializer of the capsule layers' transformation
             matrices (default `NearIdentity(0.1)`, W = I + U(-0.1, 0.1), so
             every vote starts near its child's pose; docs/em_study.md
-            compares it with N(0, 0.5) and N(0, 1)).
+            compares it with N(0, 0.5) and N(0, 1)). Each of the three
+            layers gets its own copy; a seeded one gives layer k (0, 1, 2)
+            the seed + k, so that layers of one shape do not start alike.
         chunk_capsules: lower capsules whose votes and routing are computed
             together in ConvCaps1 and ConvCaps2: each layer routes
             `max(1, chunk_capsules // (9 * types in))` receptive fields at a
@@ -75,15 +86,15 @@ class MatrixCapsNet(keras.Model):
         dtype = self.dtype_policy  # every layer's, as Keras layers hand theirs on
         em = lambda name: EMRouting(routing_iterations, final_lambda,
                                     cost_normalization=cost_normalization, name=name, dtype=dtype)
-        init = lambda: keras.initializers.get(keras.initializers.serialize(self.kernel_initializer))
+        init = lambda k: _layer_copy(self.kernel_initializer, k)
         self.conv1 = keras.layers.Conv2D(a, 5, strides=2, activation="relu", name="conv1", dtype=dtype)
         self.norm = distribute.batch_normalization(name="batch_norm", dtype=dtype) if batch_norm else None
         self.primary = PrimaryMatrixCapsules(b, name="primary_capsules", dtype=dtype)
         self.conv_caps1 = ConvCapsules(c, 16, 3, 2, routing=em("em1"), chunk_size=chunk(b),
-                                       kernel_initializer=init(), name="conv_caps1", dtype=dtype)
+                                       kernel_initializer=init(0), name="conv_caps1", dtype=dtype)
         self.conv_caps2 = ConvCapsules(d, 16, 3, 1, routing=em("em2"), chunk_size=chunk(c),
-                                       kernel_initializer=init(), name="conv_caps2", dtype=dtype)
-        self.class_capsules = ClassCapsules(num_classes, 16, routing=em("em3"), kernel_initializer=init(),
+                                       kernel_initializer=init(1), name="conv_caps2", dtype=dtype)
+        self.class_capsules = ClassCapsules(num_classes, 16, routing=em("em3"), kernel_initializer=init(2),
                                             name="class_capsules", dtype=dtype)
         self.build()
 
