@@ -4,6 +4,7 @@ Usage: python docs/studies/probabilistic_trials.py OUT.json --data-dir ../shared
            [--epochs 8] [--c-min 0.1] [--temperature 1.0] [--top-prior P] [--specialisation W]
            [--within-sparsity A] [--between-sparsity B] [--detach-parts] [--equivariant-top] [--anchored-parts]
            [--localisation U] [--translate N] [--fixed-binding] [--free-bits LAMBDA]
+           [--part-sparsity A B]
            [--refine-parts STEPS [--refine-every 4]] [--seed 0]
 
 Trains `ProbabilisticCapsuleAutoencoder` (the spec's sizes, 40 x 40 canvas,
@@ -24,7 +25,10 @@ epoch's training digits shifted by whole pixels, each by its own draw in
 still read the centred digits; with `--fixed-binding`, the bindings
 `rho_ij` of eq. 3 held at their initial 1 instead of learned; with
 `--free-bits LAMBDA`, LAMBDA nats of presence KL per top capsule not
-charged in training, `presence_free_bits`), then writes to OUT.json:
+charged in training, `presence_free_bits`; with `--part-sparsity A B`,
+the part presences' within- and between-image sparsity weighted by A and
+B taken from the training objective, `PartSparsityAutoencoder`), then writes to
+OUT.json:
 
 - the trainer's running bound and terms after each epoch;
 - the encoder's top presence probabilities `t0` on the 4,000 training
@@ -69,7 +73,28 @@ import tensorflow as tf
 from poecaps import compositing, frames, metrics, transforms
 from poecaps.experiments import probabilistic_capsules as study
 from poecaps.models import ProbabilisticCapsuleAutoencoder, ProbabilisticCapsules
+from poecaps.models.capsule_autoencoder import prior_sparsity
 from poecaps.trainers.variational import VariationalTrainer
+
+
+class PartSparsityAutoencoder(ProbabilisticCapsuleAutoencoder):
+    """The model whose training objective is less `a S_within - b S_between` of the part presences:
+    `prior_sparsity(part_logits, 2)`, 8 of the 16 parts on per image and each part on in half the batch
+    (docs/probabilistic_part_sparsity.md). The bound and `refine` are unchanged."""
+
+    def __init__(self, *args, part_sparsity=(0.0, 0.0), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.part_sparsity = tuple(float(w) for w in part_sparsity)
+
+    def bound(self, images, seed=None, training=False):
+        part_logits, part_pose, entropy = self._encode_parts(images)
+        terms = self.bound_terms(images, part_logits, part_pose, seed=seed, training=training)
+        if self.localisation:
+            terms["objective"] = terms["objective"] - self.localisation * tf.reduce_sum(entropy, axis=-1)
+        within, between = prior_sparsity(part_logits, 2)
+        a, b = self.part_sparsity
+        terms["objective"] = terms["objective"] - a * within - b * between
+        return terms
 
 
 def _encoded(model, images, infer=None):
@@ -266,6 +291,8 @@ def main():
                    help="also read the probes after STEPS Adam steps on the parts alone (default: 0, off)")
     p.add_argument("--refine-every", type=int, default=4, help="refine every this many-th digit (default: 4)")
     p.add_argument("--fixed-binding", action="store_true", help="hold every rho_ij at 1 (default: learned)")
+    p.add_argument("--part-sparsity", type=float, nargs=2, default=None, metavar=("A", "B"),
+                   help="weights of the part presences' S_within and S_between (default: none)")
     p.add_argument("--free-bits", type=float, default=0.0, metavar="LAMBDA",
                    help="nats of presence KL per top capsule not charged in training (default: 0, off)")
     p.add_argument("--seed", type=int, default=0)
@@ -281,8 +308,13 @@ def main():
         p.error(f"--top-prior must be in (0, 1). Received: {args.top_prior}")
     x, y = study.load_digits(args.data_dir, "train", 40)
     x_test, y_test = study.load_digits(args.data_dir, "test", 40)
+    if args.part_sparsity is not None and not min(args.part_sparsity) >= 0.0:
+        p.error(f"--part-sparsity takes two weights >= 0. Received: {args.part_sparsity}")
     keras.utils.set_random_seed(args.seed)
-    model = ProbabilisticCapsuleAutoencoder(
+    kind = ProbabilisticCapsuleAutoencoder
+    if args.part_sparsity is not None:
+        kind = lambda *a, **k: PartSparsityAutoencoder(*a, part_sparsity=args.part_sparsity, **k)
+    model = kind(
         ProbabilisticCapsules(image_size=(40, 40), c_min=args.c_min, temperature=args.temperature, seed=args.seed),
         specialisation=args.specialisation, within_sparsity=args.within_sparsity,
         between_sparsity=args.between_sparsity, detach_parts=args.detach_parts,
