@@ -302,14 +302,14 @@ def main():
     if args.refine_parts < 0 or args.refine_every < 1:
         p.error(f"--refine-parts must be >= 0 and --refine-every >= 1. Received: {args.refine_parts}, "
                 f"{args.refine_every}")
+    if args.part_sparsity is not None and not min(args.part_sparsity) >= 0.0:
+        p.error(f"--part-sparsity takes two weights >= 0. Received: {args.part_sparsity}")
     if not args.free_bits >= 0.0:
         p.error(f"--free-bits must be >= 0. Received: {args.free_bits}")
     if args.top_prior is not None and not 0.0 < args.top_prior < 1.0:
         p.error(f"--top-prior must be in (0, 1). Received: {args.top_prior}")
     x, y = study.load_digits(args.data_dir, "train", 40)
     x_test, y_test = study.load_digits(args.data_dir, "test", 40)
-    if args.part_sparsity is not None and not min(args.part_sparsity) >= 0.0:
-        p.error(f"--part-sparsity takes two weights >= 0. Received: {args.part_sparsity}")
     keras.utils.set_random_seed(args.seed)
     kind = ProbabilisticCapsuleAutoencoder
     if args.part_sparsity is not None:
