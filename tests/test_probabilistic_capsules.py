@@ -698,18 +698,17 @@ def test_presence_free_bits_add_their_term_to_the_objective_and_cancel_the_kls_g
     freed = ProbabilisticCapsuleAutoencoder.from_config({**plain.get_config(), "presence_free_bits": lam})
     freed.set_weights(plain.get_weights())
 
-    a = plain.bound_terms(images, part_logits, part_pose, top_logits, top_pose, seed=seed)
-    b = freed.bound_terms(images, part_logits, part_pose, top_logits, top_pose, seed=seed)
+    terms, gradients = {}, {}
+    for name, model in (("plain", plain), ("freed", freed)):
+        with tf.GradientTape() as tape:
+            terms[name] = model.bound_terms(images, part_logits, part_pose, top_logits, top_pose, seed=seed)
+            objective = tf.reduce_mean(terms[name]["objective"])
+        gradients[name] = tape.gradient(objective, model.generative.top_logits).numpy()
+    a, b = terms["plain"], terms["freed"]
     np.testing.assert_array_equal(a["bound"].numpy(), b["bound"].numpy())
     # objectives ~1e2-1e3 nats in float32; K_i from log-densities of a few nats: float32 rounding of both
     np.testing.assert_allclose(b["objective"].numpy() - a["objective"].numpy(),
                                np.sum(kl - np.maximum(kl, lam)), rtol=0, atol=1e-4 * np.abs(a["bound"].numpy()).max())
-    gradients = {}
-    for name, model in (("plain", plain), ("freed", freed)):
-        with tf.GradientTape() as tape:
-            objective = tf.reduce_mean(model.bound_terms(images, part_logits, part_pose, top_logits, top_pose,
-                                                         seed=seed)["objective"])
-        gradients[name] = tape.gradient(objective, model.generative.top_logits).numpy()
     below, above = kl < lam - 1e-3, kl > lam + 1e-3
     assert below.any() and above.any()
     scale = np.abs(gradients["plain"]).max()

@@ -86,11 +86,8 @@ class PartSparsityAutoencoder(ProbabilisticCapsuleAutoencoder):
         super().__init__(*args, **kwargs)
         self.part_sparsity = tuple(float(w) for w in part_sparsity)
 
-    def bound(self, images, seed=None, training=False):
-        part_logits, part_pose, entropy = self._encode_parts(images)
-        terms = self.bound_terms(images, part_logits, part_pose, seed=seed, training=training)
-        if self.localisation:
-            terms["objective"] = terms["objective"] - self.localisation * tf.reduce_sum(entropy, axis=-1)
+    def bound_terms(self, images, part_logits, part_pose, *args, **kwargs):
+        terms = super().bound_terms(images, part_logits, part_pose, *args, **kwargs)
         within, between = prior_sparsity(part_logits, 2)
         a, b = self.part_sparsity
         terms["objective"] = terms["objective"] - a * within - b * between
